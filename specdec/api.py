@@ -1,0 +1,91 @@
+"""The small notebook-facing API: load a target, make a drafter, generate, read the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from specdec.drafter import Drafter
+from specdec.loop import Request, RunResult, run
+from specdec.metrics import summarize
+from specdec.sampling import SamplingParams
+from specdec.target import Target
+from specdec.verifier import Verifier
+
+__all__ = ["load_target", "make_drafter", "make_verifier", "generate", "GenerationResult"]
+
+
+def load_target(model: str | PreTrainedModel, tokenizer=None, dtype: torch.dtype = torch.float32,
+                device_map: str | dict | None = None) -> Target:
+    """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder."""
+    if isinstance(model, PreTrainedModel):
+        return Target(model, tokenizer)
+    from specdec.models import load_model
+
+    loaded, tok = load_model(model, dtype=dtype, device_map=device_map)
+    return Target(loaded, tokenizer or tok)
+
+
+def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
+    """Build the registered drafter ``name`` bound to ``target``."""
+    from specdec.drafters import DRAFTERS
+
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}")
+    return DRAFTERS[name].create(target, **options)
+
+
+def make_verifier(name: str, **options: Any) -> Verifier:
+    from specdec.verifiers import VERIFIERS
+
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; registered: {sorted(VERIFIERS)}")
+    return VERIFIERS[name](**options)
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str] | None
+    tokens: list[list[int]]
+    run: RunResult
+
+    @property
+    def summary(self) -> dict:
+        """Mean accepted length, acceptance per position, tokens/s and the time split."""
+        return {**summarize([r.metrics for r in self.run.requests]), **self.run.metrics.to_dict()}
+
+
+def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError("text prompts need a target with a tokenizer; pass token ids instead")
+    if chat and getattr(tok, "chat_template", None):
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False))
+    return tok.encode(prompt)
+
+
+def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter: Drafter | str | None = None,
+             k: int = 4, verifier: Verifier | str = "rejection",
+             sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
+             chat: bool = False, eos_token_ids: set[int] | None = None, **drafter_options: Any) -> GenerationResult:
+    """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter, target, **drafter_options)
+    if isinstance(verifier, str):
+        verifier = make_verifier(verifier)
+    params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
+    requests = [Request(_encode(target, p, chat), max_new_tokens, s) for p, s in zip(prompts, params)]
+    result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids)
+    tokens = [r.tokens for r in result.requests]
+    texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if target.tokenizer else None
+    return GenerationResult(texts, tokens, result)

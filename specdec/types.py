@@ -1,0 +1,166 @@
+"""The data that crosses the seams between target, drafter, verifier and loop.
+
+Shape symbols: ``B`` batch rows, ``n`` draft nodes per row (a chain has ``n = k``), ``m`` tokens
+in one target block, ``V`` vocabulary, ``D`` hidden size.
+
+A draft is a tree given by parent indices; a chain is the tree ``parents = [-1, 0, 1, ...]``.
+Node ``j`` of the proposal is verified against the target distribution at block position
+``j + 1``; block position 0 is the last committed token (the root).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["Requirements", "DraftProposal", "Verification", "Committed", "chain_parents", "node_depths"]
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a drafter needs the target to hand out.
+
+    ``layer_inputs`` are residual-stream ids: id ``i`` is the hidden state at the *input* of
+    layer ``i`` (EAGLE-3's convention); id ``L`` (the layer count) is the last layer's output,
+    before the final norm. Use :func:`specdec.target.layer_output_ids` to convert DFlash-style
+    "output of layer i" ids.
+    """
+
+    layer_inputs: tuple[int, ...] = ()
+    final_hidden: bool = False  # post-norm final hidden state: what the LM head reads
+    target_cache: bool = False  # read access to the target's KV cache
+
+    def union(self, other: Requirements) -> Requirements:
+        return Requirements(
+            layer_inputs=tuple(sorted(set(self.layer_inputs) | set(other.layer_inputs))),
+            final_hidden=self.final_hidden or other.final_hidden,
+            target_cache=self.target_cache or other.target_cache,
+        )
+
+
+def chain_parents(n: int, batch: int = 1, device: torch.device | str = "cpu") -> Tensor:
+    """Parent indices of a chain of ``n`` nodes: ``[-1, 0, 1, ..., n-2]`` per row. [B, n]"""
+    return (torch.arange(n, device=device) - 1).expand(batch, n).clone()
+
+
+def node_depths(parents: Tensor) -> Tensor:
+    """Depth of every node (children of the root have depth 1). [B, n] from parents [B, n]."""
+    depth = torch.zeros_like(parents)
+    for j in range(parents.shape[1]):
+        p = parents[:, j]
+        parent_depth = depth.gather(1, p.clamp(min=0).unsqueeze(1)).squeeze(1)
+        depth[:, j] = torch.where(p < 0, 1, parent_depth + 1)
+    return depth
+
+
+@dataclass
+class DraftProposal:
+    """What a drafter proposes for one step.
+
+    ``q[b, j]`` is the exact distribution node ``j`` was drawn from, conditioned on its parent
+    *and on its earlier siblings* (so i.i.d. siblings share q, siblings drawn without replacement
+    carry renormalised q, and deterministic siblings are one-hot). It is the distribution after
+    the same temperature / top-k / top-p warping the target gets. ``q is None`` declares the
+    whole draft deterministic: the verifier then treats every node's q as one-hot.
+    Siblings must appear in the order they were drawn, and parents before children.
+    """
+
+    tokens: Tensor  # [B, n] int64
+    parents: Tensor  # [B, n] int64, -1 for a child of the last committed token
+    q: Tensor | None = None  # [B, n, V] float, or None when deterministic
+    num_valid: Tensor | None = None  # [B] nodes to verify per row; the rest is padding
+
+    def __post_init__(self) -> None:
+        if self.parents.dim() == 1:
+            self.parents = self.parents.expand(self.tokens.shape[0], -1).clone()
+        if self.num_valid is None:
+            self.num_valid = torch.full(
+                (self.tokens.shape[0],), self.tokens.shape[1], dtype=torch.long, device=self.tokens.device
+            )
+
+    @property
+    def deterministic(self) -> bool:
+        return self.q is None
+
+    @property
+    def n(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents, chain_parents(self.n, self.tokens.shape[0], self.tokens.device)))
+
+    @classmethod
+    def chain(cls, tokens: Tensor, q: Tensor | None = None, num_valid: Tensor | None = None) -> DraftProposal:
+        return cls(tokens, chain_parents(tokens.shape[1], tokens.shape[0], tokens.device), q, num_valid)
+
+    @classmethod
+    def empty(cls, batch: int, device: torch.device | str = "cpu") -> DraftProposal:
+        tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
+        return cls(tokens, tokens.clone(), None, torch.zeros(batch, dtype=torch.long, device=device))
+
+    def validate(self, batch: int, vocab_size: int) -> None:
+        """Raise a clear error for a malformed proposal (a drafter bug), before verification."""
+        B, n = self.tokens.shape
+        if B != batch:
+            raise ValueError(f"proposal has {B} rows, the batch has {batch}")
+        if self.tokens.dtype != torch.long:
+            raise ValueError(f"proposal tokens must be int64, got {self.tokens.dtype}")
+        if self.parents.shape != (B, n):
+            raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape {(B, n)}")
+        if n and (self.tokens.min() < 0 or self.tokens.max() >= vocab_size):
+            raise ValueError(f"draft token ids must lie in [0, {vocab_size})")
+        idx = torch.arange(n, device=self.parents.device)
+        if n and ((self.parents < -1) | (self.parents >= idx)).any():
+            raise ValueError("every parent index must be -1 or the index of an earlier node")
+        if self.q is not None and self.q.shape != (B, n, vocab_size):
+            raise ValueError(f"q shape {tuple(self.q.shape)} != {(B, n, vocab_size)}")
+        assert self.num_valid is not None
+        if ((self.num_valid < 0) | (self.num_valid > n)).any():
+            raise ValueError(f"num_valid must lie in [0, {n}]")
+
+
+@dataclass
+class Verification:
+    """The verifier's verdict for one step.
+
+    ``path[b, :num_accepted[b]]`` are the accepted node indices, root to leaf. ``tokens[b]``
+    holds the emitted tokens: the accepted drafts, then one more token (the bonus token if the
+    whole path was accepted down to a leaf, else the token recovered from the residual).
+    """
+
+    path: Tensor  # [B, n] int64, -1 padded
+    num_accepted: Tensor  # [B] int64
+    tokens: Tensor  # [B, n+1] int64, -1 padded
+
+    @property
+    def num_emitted(self) -> Tensor:
+        return self.num_accepted + 1
+
+    @property
+    def next_tokens(self) -> Tensor:
+        """The last emitted token per row. [B]"""
+        return self.tokens.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
+
+
+@dataclass
+class Committed:
+    """What the drafter learns after the prefill and after every step.
+
+    ``tokens`` are the tokens whose target KV entries were committed just now: the whole prompt
+    at the prefill; the last committed token and the accepted drafts after a step. ``hidden`` and
+    ``final_hidden`` are the target's features at exactly those tokens. ``next_tokens`` follow
+    them: sampled by the target, not yet in its cache, and the anchor of the next draft.
+    """
+
+    tokens: Tensor  # [B, m] left-aligned, -1 padded
+    num_tokens: Tensor  # [B]
+    positions: Tensor  # [B, m] absolute positions of tokens
+    next_tokens: Tensor  # [B]
+    active: Tensor  # [B] bool: rows still generating
+    hidden: dict[int, Tensor] = field(default_factory=dict)  # layer id -> [B, m, D]
+    final_hidden: Tensor | None = None  # [B, m, D]
+    proposal: DraftProposal | None = None  # None at the prefill
+    verification: Verification | None = None  # None at the prefill

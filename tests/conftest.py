@@ -1,0 +1,49 @@
+"""Shared fixtures: tiny random targets (no downloads) and the conformance cases.
+
+Every drafter in the registry is built with its own ``tiny(target)`` factory; a registered
+drafter without one fails the suite (it is an abstract method), it is never skipped. Extra cases
+cover behaviours random tiny weights cannot reach: a draft model equal to the target (everything
+accepted) and adversarial random chains and trees with every sibling-sampling mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+torch.set_num_threads(1)  # tiny models: threads cost more than they give
+
+from specdec.drafters import DRAFTERS, DraftModelDrafter  # noqa: E402
+from specdec.target import Target  # noqa: E402
+from specdec.testing import RandomDrafter  # noqa: E402
+from specdec.tiny import tiny_model  # noqa: E402
+
+VOCAB = 32
+
+
+def _registry_case(name):
+    return lambda target: DRAFTERS[name].tiny(target)
+
+
+CASES = {f"{name}[tiny]": _registry_case(name) for name in DRAFTERS}
+CASES.update({
+    "draft_model[self]": lambda t: DraftModelDrafter.create(t, model=t.model),
+    "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
+    "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
+    "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),
+    "random[tree,deterministic]": lambda t: RandomDrafter.create(t, siblings="deterministic", branching=[2, 2]),
+})
+
+
+@pytest.fixture(scope="session")
+def target() -> Target:
+    """A tiny Llama with peaked distributions (so top-k and top-p cut something)."""
+    return Target(tiny_model("llama", vocab_size=VOCAB, init_scale=0.3, seed=0))
+
+
+@pytest.fixture(params=sorted(CASES))
+def drafter_case(request, target):
+    return request.param, CASES[request.param](target)

@@ -1,0 +1,72 @@
+"""Bad input fails with a clear error before any work starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+from specdec.loop import Request, run
+from specdec.target import Target
+from specdec.tiny import tiny_model
+from specdec.types import DraftProposal
+from specdec.verifiers import RejectionVerifier
+
+
+class _Tok:
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def test_unknown_names(target):
+    with pytest.raises(ValueError, match="unknown drafter 'eagle9'"):
+        specdec.make_drafter("eagle9", target)
+    with pytest.raises(ValueError, match="unknown verifier 'maybe'"):
+        specdec.make_verifier("maybe")
+
+
+def test_vocabulary_and_tokenizer_mismatch(target):
+    with pytest.raises(ValueError, match="vocabulary"):
+        specdec.make_drafter("draft_model", target, model=tiny_model("llama", vocab_size=40))
+    a = Target(target.model, _Tok({"a": 0}))
+    with pytest.raises(ValueError, match="tokenizer"):
+        specdec.make_drafter("draft_model", a, model=target.model, tokenizer=_Tok({"b": 0}))
+
+
+def test_k_below_one_empty_prompt_too_long_and_out_of_range(target):
+    d = specdec.make_drafter("ngram", target)
+    v = RejectionVerifier()
+    with pytest.raises(ValueError, match="k .* must be >= 1"):
+        run(target, d, v, [Request([1, 2])], k=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        run(target, d, v, [Request([1, 2]), Request([])], k=2)
+    with pytest.raises(ValueError, match="context window"):
+        run(target, d, v, [Request([1] * 500, 20)], k=2)
+    with pytest.raises(ValueError, match="token ids"):
+        run(target, d, v, [Request([1, 99])], k=2)
+    with pytest.raises(ValueError, match="no requests"):
+        run(target, d, v, [], k=2)
+
+
+def test_unbound_drafter_is_refused(target):
+    other = Target(tiny_model("llama", vocab_size=32, seed=9))
+    d = specdec.make_drafter("ngram", other)
+    with pytest.raises(ValueError, match="not bound"):
+        run(target, d, RejectionVerifier(), [Request([1, 2])], k=2)
+
+
+def test_greedy_verifier_with_sampling_is_refused(target):
+    with pytest.raises(ValueError, match="temperature 0"):
+        specdec.generate(target, [[1, 2, 3]], verifier="greedy", sampling=specdec.SamplingParams(temperature=1.0))
+
+
+def test_malformed_proposals_are_caught():
+    with pytest.raises(ValueError, match="lie in"):
+        DraftProposal.chain(torch.tensor([[1, 40]])).validate(1, 32)
+    with pytest.raises(ValueError, match="parent"):
+        DraftProposal(torch.tensor([[1, 2]]), torch.tensor([[-1, 1]])).validate(1, 32)
+    with pytest.raises(ValueError, match="q shape"):
+        DraftProposal.chain(torch.tensor([[1, 2]]), torch.ones(1, 2, 31)).validate(1, 32)

@@ -1,0 +1,110 @@
+"""The target adapter: tree forwards equal per-path forwards, captured features equal the
+model's own hidden states, and the ragged cache (holes, rollback, compaction, retirement)
+never changes a logit. Run on every supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdec.target import Target, layer_output_ids
+from specdec.tiny import FAMILIES, tiny_model
+from specdec.types import Requirements
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), cache=DynamicCache()).logits[0].float()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family_target(request):
+    return Target(tiny_model(request.param, vocab_size=48, init_scale=0.2, seed=3))
+
+
+def test_tree_logits_equal_per_path_logits(family_target):
+    t, m = family_target, family_target.model
+    s = t.new_session(2)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
+    out, _, _ = t.prefill(s, prompts)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(out.logits[b, 0], full_logits(m, p)[-1], atol=1e-4, rtol=1e-4)
+    tokens = torch.tensor([[11, 12, 13, 14, 15], [16, 17, 18, 19, 20]])
+    parents = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 0, 3]])
+    o = t.forward(s, tokens, parents)
+    for b in range(2):
+        for i in range(5):
+            path, j = [], i
+            while j >= 0:
+                path.append(int(tokens[b, j]))
+                j = int(parents[b, j])
+            ref = full_logits(m, prompts[b] + path[::-1])[-1]
+            torch.testing.assert_close(o.logits[b, i], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target):
+    """Rows keep different paths; holes, a rollback and a compaction leave logits unchanged.
+    The sequences run past gemma3's sliding window of 4, so the per-type masks are exercised."""
+    t, m = family_target, family_target.model
+    s = t.new_session(2)
+    seqs = [[1, 2, 3], [4, 5]]
+    t.prefill(s, seqs)
+    steps = [
+        (torch.tensor([[6, 7, 8], [9, 10, 11]]), torch.tensor([[-1, 0, 0], [-1, 0, 1]]),
+         torch.tensor([[1, 0, 1], [1, 1, 1]])),
+        (torch.tensor([[12, 13], [14, 15]]), None, torch.tensor([[1, 1], [1, 0]])),
+    ]
+    for tokens, parents, keep in steps:
+        t.forward(s, tokens, parents)
+        t.commit(s, keep.bool())
+        for b in range(2):
+            seqs[b] += [int(x) for x, k in zip(tokens[b], keep[b]) if k]
+    s.cache.rollback(torch.tensor([1, 0]))
+    seqs[0] = seqs[0][:-1]
+    for compact in (False, True):
+        if compact:
+            s.cache.compact()
+            assert s.cache.num_slots == max(len(x) for x in seqs)
+        o = t.forward(s, torch.tensor([[21], [22]]))
+        for b in range(2):
+            torch.testing.assert_close(o.logits[b, 0], full_logits(m, seqs[b] + [21 + b])[-1], atol=1e-4, rtol=1e-4)
+        t.commit(s, torch.zeros(2, 1, dtype=torch.bool))
+    s.cache.select_rows(torch.tensor([1]))
+    o = t.forward(s, torch.tensor([[23]]))
+    torch.testing.assert_close(o.logits[0, 0], full_logits(m, seqs[1] + [23])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_captured_features_are_layer_inputs(family_target):
+    t, m = family_target, family_target.model
+    L = t.num_layers
+    t.request(Requirements(layer_inputs=(0, 1, L), final_hidden=True))
+    s = t.new_session(1)
+    ids = [3, 1, 4, 1, 5]
+    out, _, _ = t.prefill(s, [ids])
+    with torch.inference_mode():
+        ref = m(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.hidden[1], ref[1], atol=1e-5, rtol=1e-5)
+    # transformers' last tuple entry is after the final norm: that is our final_hidden
+    torch.testing.assert_close(out.final_hidden, ref[L], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(t.final_norm(out.hidden[L]), ref[L], atol=1e-5, rtol=1e-5)
+
+
+def test_layer_ids_are_checked_and_converted():
+    t = Target(tiny_model("llama", vocab_size=32))
+    with pytest.raises(ValueError, match="layer id 7"):
+        t.request(Requirements(layer_inputs=(7,)))
+    assert layer_output_ids([1, 9, 17]) == (2, 10, 18)
+
+
+def test_compaction_gathers_valid_slots_to_the_front():
+    t = Target(tiny_model("llama", vocab_size=32))
+    s = t.new_session(2)
+    t.prefill(s, [[1, 2], [3]])
+    t.forward(s, torch.tensor([[4, 5], [6, 7]]))
+    t.commit(s, torch.tensor([[1, 0], [1, 1]]).bool())
+    s.cache.compact()
+    assert s.cache.valid.tolist() == [[True, True, True], [True, True, True]]
+    assert s.cache.slot_pos.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert s.cache.lengths.tolist() == [3, 3]

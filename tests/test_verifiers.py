@@ -1,0 +1,125 @@
+"""Verifiers on hand-made distributions: exact rules for greedy, and goodness-of-fit of the
+emitted tokens for rejection sampling on chains and on trees with every sibling mode, many
+independent rows in one call (each row has its own seeded generator)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.sampling import RowSampling, SamplingParams
+from specdec.testing import chi_square
+from specdec.types import DraftProposal
+from specdec.verifiers import VERIFIERS, GreedyVerifier, RejectionVerifier, TypicalVerifier
+
+V = 7
+
+
+def logits_with_argmax(ids: list[list[int]]) -> torch.Tensor:
+    """[B, n+1, V] logits whose argmax at each position is the given id (±100, explicit)."""
+    t = torch.tensor(ids)
+    return torch.full((*t.shape, V), -100.0).scatter_(-1, t.unsqueeze(-1), 100.0)
+
+
+def greedy_rows(b: int) -> RowSampling:
+    return RowSampling([SamplingParams()] * b)
+
+
+# --- greedy -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("verifier", [GreedyVerifier(), RejectionVerifier()], ids=["greedy", "rejection"])
+def test_greedy_perfect_match_early_mismatch_and_padding(verifier):
+    proposal = DraftProposal.chain(torch.tensor([[1, 2, 3], [1, 5, 3], [4, 4, 4]]), num_valid=torch.tensor([3, 3, 1]))
+    logits = logits_with_argmax([[1, 2, 3, 6], [1, 2, 3, 6], [4, 4, 4, 6]])
+    v = verifier.verify(proposal, logits, greedy_rows(3))
+    assert v.num_accepted.tolist() == [3, 1, 1]
+    assert v.tokens.tolist() == [[1, 2, 3, 6], [1, 2, -1, -1], [4, 4, -1, -1]]
+
+
+def test_greedy_tree_descends_into_the_matching_child():
+    # root children: node0=5, node1=2 (right); node1's children: node2=0, node3=3 (right)
+    proposal = DraftProposal(torch.tensor([[5, 2, 0, 3]]), torch.tensor([[-1, -1, 1, 1]]))
+    logits = logits_with_argmax([[2, 6, 3, 6, 1]])
+    v = GreedyVerifier().verify(proposal, logits, greedy_rows(1))
+    assert v.path[0, :2].tolist() == [1, 3]
+    assert v.tokens[0].tolist()[:3] == [2, 3, 1]
+
+
+def test_greedy_verifier_refuses_sampling():
+    with pytest.raises(ValueError, match="temperature 0"):
+        GreedyVerifier().check(RowSampling([SamplingParams(temperature=0.8)]))
+
+
+def test_every_verifier_states_lossless():
+    assert {n: c.lossless for n, c in VERIFIERS.items()} == {"greedy": True, "rejection": True, "typical": False}
+
+
+# --- sampled: exact distribution of the emitted tokens -------------------------------------------
+N = 6000
+
+
+def _random_dists(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, V, generator=g) * 1.5).softmax(-1)
+
+
+def _first_and_second(v, proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Emitted token 1, token 2 (or -1) and, for token 2, the node it is conditioned on."""
+    first = v.tokens[:, 0]
+    second = torch.where(v.num_accepted >= 1, v.tokens[:, 1], -1)
+    return first, second, v.path[:, 0]
+
+
+@pytest.mark.parametrize("mode", ["chain", "iid", "without_replacement", "deterministic"])
+def test_rejection_sampling_is_exact(mode):
+    """Token 1 ~ p_root; token 2 given node j accepted ~ p_j. Trees: 3 root children."""
+    g = torch.Generator().manual_seed(11)
+    p = _random_dists(1, (V + 1,))  # p[0] at the root; p[1 + x] after root-child token x (see below)
+    q_root = _random_dists(2, ())
+    if mode == "chain":
+        parents = [-1, 0]
+    else:
+        parents = [-1, -1, -1]
+    n = len(parents)
+    tokens = torch.zeros(N, n, dtype=torch.long)
+    q = torch.zeros(N, n, V)
+    removed = torch.zeros(N, V, dtype=torch.bool)
+    for j, par in enumerate(parents):
+        if par == -1:
+            qj = q_root.expand(N, V).clone()
+            if mode in ("without_replacement", "deterministic"):
+                qj = qj.masked_fill(removed, 0.0)
+                qj = qj / qj.sum(-1, keepdim=True)
+        else:  # chain second node: q depends on its parent token
+            qj = _random_dists(3, (V,))[tokens[:, par]]
+        if mode == "deterministic":
+            x = qj.argmax(-1)
+        else:
+            x = torch.multinomial(qj, 1, generator=g).squeeze(1)
+        removed[torch.arange(N), x] = True
+        tokens[:, j], q[:, j] = x, qj
+    # target: p at root; after node j, a distribution that depends on node j's token
+    logits = torch.empty(N, n + 1, V)
+    logits[:, 0] = p[0].log()
+    for j in range(n):
+        logits[:, j + 1] = p[1 + tokens[:, j]].log()
+    proposal = DraftProposal(tokens, torch.tensor(parents).expand(N, n).clone(), None if mode == "deterministic" else q)
+    rows = RowSampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)])
+    v = RejectionVerifier().verify(proposal, logits, rows)
+    first, second, node = _first_and_second(v, proposal)
+    pvals = [chi_square(torch.bincount(first, minlength=V), p[0])]
+    for x in range(V):
+        sel = (second >= 0) & (first == x)
+        if int(sel.sum()) >= 300:
+            pvals.append(chi_square(torch.bincount(second[sel], minlength=V), p[1 + x]))
+    assert len(pvals) >= 2
+    assert min(pvals) > 1e-3 / len(pvals), pvals
+
+
+def test_typical_acceptance_is_detectably_lossy():
+    p = _random_dists(5, ())
+    x = p.argmax().item()
+    tokens = torch.full((N, 1), x)
+    logits = torch.stack([p.log(), p.log()]).expand(N, 2, V)
+    rows = RowSampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)])
+    v = TypicalVerifier().verify(DraftProposal.chain(tokens), logits, rows)
+    assert chi_square(torch.bincount(v.tokens[:, 0], minlength=V), p) < 1e-6

@@ -1,0 +1,24 @@
+"""Verifiers, chosen by name.
+
+| name | lossless | what it does |
+|---|---|---|
+| ``greedy`` | yes (temperature 0 only) | exact argmax match, chains and trees |
+| ``rejection`` | yes | rejection sampling (Leviathan et al. 2023, Chen et al. 2023); on trees, recursive rejection sampling over siblings |
+| ``typical`` | **no** | Medusa's typical acceptance; for comparison only |
+"""
+
+if __name__ != "specdec.verifiers":  # the bare name `verifiers` belongs to another PyPI package
+    raise ImportError("import this package as specdec.verifiers")
+
+from specdec.verifier import Verifier
+from specdec.verifiers.greedy import GreedyVerifier
+from specdec.verifiers.rejection import RejectionVerifier
+from specdec.verifiers.typical import TypicalVerifier
+
+VERIFIERS: dict[str, type[Verifier]] = {
+    "greedy": GreedyVerifier,
+    "rejection": RejectionVerifier,
+    "typical": TypicalVerifier,
+}
+
+__all__ = ["VERIFIERS", "Verifier", "GreedyVerifier", "RejectionVerifier", "TypicalVerifier"]
