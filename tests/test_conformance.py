@@ -30,7 +30,7 @@ prompts_st = st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), min
 
 
 # --- greedy -----------------------------------------------------------------------------------
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=prompts_st, k=st.integers(1, 5), verifier=st.sampled_from([GreedyVerifier, RejectionVerifier]))
 def test_greedy_equals_target_greedy(drafter_case, target, prompts, k, verifier):
     _, drafter = drafter_case
@@ -51,7 +51,7 @@ def test_autoregressive_equals_target_greedy(target):
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["t1", "t0.7-topk5", "t1.3-topp0.8"])
 def test_sampled_matches_target_distribution(drafter_case, target, sampling):
     _, drafter = drafter_case
-    r = sampled_gof(target, drafter, RejectionVerifier(), PROMPT, sampling, n_samples=2000)
+    r = sampled_gof(target, drafter, RejectionVerifier(), PROMPT, sampling, n_samples=4000)
     assert len(r.pvalues) >= 3, "too few conditional tests: the suite would prove nothing"
     bound = ALPHA / (len(r.pvalues) * len(SETTINGS))
     worst = min(zip(r.pvalues, r.tests))
@@ -61,7 +61,7 @@ def test_sampled_matches_target_distribution(drafter_case, target, sampling):
 def test_goodness_of_fit_catches_a_lossy_verifier(target):
     """The same test must fail for typical acceptance: the suite can tell lossy from lossless."""
     drafter = specdec.make_drafter("draft_model", target, model=target.model, greedy_draft=True)
-    r = sampled_gof(target, drafter, TypicalVerifier(), PROMPT, SamplingParams(temperature=1.0), n_samples=2000)
+    r = sampled_gof(target, drafter, TypicalVerifier(), PROMPT, SamplingParams(temperature=1.0), n_samples=4000)
     assert r.min_p < 1e-6
 
 
@@ -88,7 +88,7 @@ def test_sampling_is_not_greedy(target):
 @pytest.mark.parametrize("sampling", SETTINGS[:2], ids=["t1", "t0.7-topk5"])
 def test_q_is_the_distribution_sampled_from(drafter_case, target, sampling):
     _, drafter = drafter_case
-    r = q_contract(target, drafter, PROMPT, sampling, n_samples=2000)
+    r = q_contract(target, drafter, PROMPT, sampling, n_samples=4000)
     if r.pvalues:
         worst = min(zip(r.pvalues, r.tests))
         assert worst[0] > ALPHA / (len(r.pvalues) * 2), f"q is not what was sampled: {worst[1]} p={worst[0]:.2e}"
@@ -106,7 +106,7 @@ def test_q_contract_catches_a_lying_drafter(target):
 
     liar = Liar(target.model)
     liar.bind(target)
-    r = q_contract(target, liar, PROMPT, SamplingParams(temperature=1.0), n_samples=2000)
+    r = q_contract(target, liar, PROMPT, SamplingParams(temperature=1.0), n_samples=4000)
     assert r.min_p < 1e-6
 
 
