@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m specdec.demo
+	$(VENV)/bin/specdec-demo
 
 test: setup
 	$(VENV)/bin/pytest -q

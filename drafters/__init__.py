@@ -7,7 +7,12 @@
 """
 
 if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to another PyPI package
-    raise ImportError("import this package as specdec.drafters")
+    raise ImportError(
+        "the folder drafters/ of the specdec repository was imported as the top-level package 'drafters':"
+        " Python is running with the repository root on sys.path (python -m or a REPL started there),"
+        " where the folder shadows the PyPI package of that name. Import it as specdec.drafters, and run"
+        " from another directory or use the installed commands (specdec-demo, pytest)."
+    )
 
 from specdec.drafter import Drafter
 from specdec.drafters.draft_model import DraftModelDrafter

@@ -81,11 +81,11 @@ def chat_ids(target: Target, prompt: str) -> torch.Tensor:
     return ids.to(target.device)
 
 
-def make_methods(target: Target, k: int, max_new: int, eos: list[int]
+def make_methods(target: Target, k: int, max_new: int, eos: list[int], max_ngram: int = 3
                  ) -> dict[str, tuple[str, Callable[[str, int], tuple[list[int], GenerationResult | None]]]]:
     """name -> (baseline name, fn(prompt, max_new_tokens) -> (new tokens, specdec result or None))."""
     model, pad = target.model, target.model.generation_config.pad_token_id
-    ngram = specdec.make_drafter("ngram", target)
+    ngram = specdec.make_drafter("ngram", target, max_ngram=max_ngram)
 
     def spec(drafter):
         def fn(prompt: str, n: int) -> tuple[list[int], GenerationResult | None]:
@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="draft tokens per step (both n-gram methods)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=None, help="use only the first N prompts")
+    ap.add_argument("--max-ngram", type=int, default=3, help="longest suffix the ngram drafter matches")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads; 1 keeps timings stable when other jobs share the CPU")
@@ -143,7 +144,7 @@ def main() -> None:
     prompts = PROMPTS[: args.prompts]
     for p in prompts:  # specdec's chat encoding must be the very prompt HF gets
         assert specdec.api._encode(target, p, chat=True) == chat_ids(target, p)[0].tolist()
-    methods = make_methods(target, args.k, args.max_new_tokens, eos)
+    methods = make_methods(target, args.k, args.max_new_tokens, eos, args.max_ngram)
     stats = {name: MethodStats(name, base) for name, (base, _) in methods.items()}
 
     for _, fn in methods.values():  # warm-up

@@ -5,4 +5,9 @@ pure-torch reference that is the default on CPU.
 """
 
 if __name__ != "specdec.kernels":  # the bare name `kernels` belongs to another PyPI package
-    raise ImportError("import this package as specdec.kernels")
+    raise ImportError(
+        "the folder kernels/ of the specdec repository was imported as the top-level package 'kernels':"
+        " Python is running with the repository root on sys.path (python -m or a REPL started there),"
+        " where the folder shadows the PyPI package of that name. Import it as specdec.kernels, and run"
+        " from another directory or use the installed commands (specdec-demo, pytest)."
+    )

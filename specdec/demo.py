@@ -1,7 +1,7 @@
 """The main job: speculative decoding on the offline SmolLM2-135M-Instruct, against plain
 autoregressive decoding measured by the same loop in the same run.
 
-    python -m specdec.demo [--drafter ngram] [--k 8] [--max-new-tokens 96] [--temperature 0]
+    specdec-demo [--drafter ngram] [--k 8] [--max-new-tokens 96] [--temperature 0]
 """
 
 from __future__ import annotations

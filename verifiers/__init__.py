@@ -8,7 +8,12 @@
 """
 
 if __name__ != "specdec.verifiers":  # the bare name `verifiers` belongs to another PyPI package
-    raise ImportError("import this package as specdec.verifiers")
+    raise ImportError(
+        "the folder verifiers/ of the specdec repository was imported as the top-level package 'verifiers':"
+        " Python is running with the repository root on sys.path (python -m or a REPL started there),"
+        " where the folder shadows the PyPI package of that name. Import it as specdec.verifiers, and run"
+        " from another directory or use the installed commands (specdec-demo, pytest)."
+    )
 
 from specdec.verifier import Verifier
 from specdec.verifiers.greedy import GreedyVerifier
