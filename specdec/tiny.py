@@ -14,6 +14,8 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -31,6 +33,11 @@ FAMILIES: dict[str, tuple[type, type, dict[str, Any]]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": 8, "sliding_window": 4,
                                                      "layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma 4 with KV sharing: its last two layers read the cache of earlier layers of their type.
+    "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM, {
+        "num_hidden_layers": 4, "head_dim": 8, "global_head_dim": 16, "sliding_window": 4,
+        "vocab_size_per_layer_input": None, "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 2,
+        "layer_types": ["sliding_attention", "full_attention"]}),
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, {
         "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
         "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
@@ -46,6 +53,8 @@ def tiny_model(family: str = "llama", vocab_size: int = 64, seed: int = 0, init_
         raise ValueError(f"unknown family {family!r}; known: {sorted(FAMILIES)}")
     config_cls, model_cls, extra = FAMILIES[family]
     kwargs = {**_COMMON, **extra, "vocab_size": vocab_size, "initializer_range": init_scale, **overrides}
+    if "vocab_size_per_layer_input" in kwargs:  # gemma4's per-layer input table spans the vocabulary
+        kwargs["vocab_size_per_layer_input"] = vocab_size
     if "layer_types" in kwargs:
         kwargs["layer_types"] = (kwargs["layer_types"] * kwargs["num_hidden_layers"])[: kwargs["num_hidden_layers"]]
     config = config_cls(**kwargs)
