@@ -32,8 +32,10 @@ class Drafter(ABC):
     def bind(self, target: Target) -> None:
         """Check compatibility with ``target`` (vocabulary, sizes) and keep what is shared.
 
-        Raise ``ValueError`` on a mismatch: this runs before any generation work.
+        Raise ``ValueError`` on a mismatch: this runs before any generation work. Asks the target
+        for :meth:`requirements` (a target captures the union of what its drafters asked for).
         """
+        target.request(self.requirements())
         self.target = target
 
     @abstractmethod

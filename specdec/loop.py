@@ -97,13 +97,15 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
 
     t0 = clock()
     session = target.new_session(B)
+    wants_cache = drafter is not None and drafter.requirements().target_cache
+    shared_cache = session.cache if wants_cache else None
     out, padded, lengths = target.prefill(session, [r.prompt for r in requests])
     first = verifier.verify(DraftProposal.empty(B, dev), out.logits, rows)
     committed = Committed(
         tokens=padded, num_tokens=lengths,
         positions=torch.arange(padded.shape[1], device=dev).expand_as(padded),
         next_tokens=first.next_tokens, active=torch.ones(B, dtype=torch.bool, device=dev),
-        hidden=out.hidden, final_hidden=out.final_hidden,
+        hidden=out.hidden, final_hidden=out.final_hidden, target_cache=shared_cache,
     )
     live = torch.arange(B)  # request index of each batch row
     active = _emit(first.tokens, first.num_emitted, live, outputs, requests, metrics, eos)
@@ -153,7 +155,7 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
             positions=base.unsqueeze(1) + torch.arange(n + 1, device=dev), next_tokens=ver.next_tokens,
             active=active.to(dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
             final_hidden=None if out.final_hidden is None else _gather(out.final_hidden, order),
-            proposal=proposal, verification=ver,
+            proposal=proposal, verification=ver, target_cache=shared_cache,
         )
         te = clock()
         if drafter is not None:

@@ -11,9 +11,13 @@ Node ``j`` of the proposal is verified against the target distribution at block 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specdec.cache import RaggedCache
 
 __all__ = ["Requirements", "DraftProposal", "Verification", "Committed", "chain_parents", "node_depths"]
 
@@ -164,3 +168,4 @@ class Committed:
     final_hidden: Tensor | None = None  # [B, m, D]
     proposal: DraftProposal | None = None  # None at the prefill
     verification: Verification | None = None  # None at the prefill
+    target_cache: RaggedCache | None = None  # read-only; only for drafters that declare target_cache

@@ -1,0 +1,45 @@
+"""The loop hands each drafter exactly what it declared, and nothing it did not."""
+
+from __future__ import annotations
+
+from specdec.loop import Request, run
+from specdec.testing import RandomDrafter
+from specdec.types import Requirements
+from specdec.verifiers import GreedyVerifier
+
+
+class _Spy(RandomDrafter):
+    def __init__(self, req: Requirements):
+        super().__init__(siblings="deterministic")
+        self.req, self.seen = req, []
+
+    def requirements(self) -> Requirements:
+        return self.req
+
+    def start(self, prefill, rows):
+        self.seen.append(prefill)
+        return super().start(prefill, rows)
+
+    def observe(self, state, committed):
+        self.seen.append(committed)
+
+
+def test_declared_features_and_cache_reach_the_drafter(target):
+    L = target.num_layers
+    spy = _Spy(Requirements(layer_inputs=(1, L), final_hidden=True, target_cache=True))
+    spy.bind(target)
+    run(target, spy, GreedyVerifier(), [Request([1, 2, 3], 6), Request([4, 5], 4)], k=2, eos_token_ids=set())
+    first, later = spy.seen[0], spy.seen[1]
+    assert set(first.hidden) >= {1, L} and first.hidden[1].shape == (2, 3, target.hidden_size)
+    assert first.final_hidden is not None and first.final_hidden.shape == (2, 3, target.hidden_size)
+    assert first.target_cache is not None and later.target_cache is first.target_cache
+    assert later.hidden[L].shape[:2] == later.tokens.shape
+    # committed positions continue the prompt: the prefill's next token sits at position len(prompt)
+    assert later.positions[0, 0].item() == 3 and later.positions[1, 0].item() == 2
+
+
+def test_undeclared_cache_is_not_shared(target):
+    spy = _Spy(Requirements())
+    spy.bind(target)
+    run(target, spy, GreedyVerifier(), [Request([1, 2, 3], 3)], k=2, eos_token_ids=set())
+    assert all(c.target_cache is None for c in spy.seen)
