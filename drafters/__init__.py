@@ -4,6 +4,7 @@
 |---|---|---|
 | ``ngram`` | tokens only | prompt lookup, deterministic chain |
 | ``draft_model`` | nothing (own LM, same vocabulary) | ``k`` sequential samples, exact q |
+| ``gemma_mtp`` | post-norm final hidden, the target's KV cache | Gemma-4 assistant: Q-only layers on the target's K/V, ``k`` steps at one position |
 """
 
 if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to another PyPI package
@@ -16,11 +17,13 @@ if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to anothe
 
 from specdec.drafter import Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.gemma_mtp import GemmaMTPDrafter
 from specdec.drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "ngram": NgramDrafter,
     "draft_model": DraftModelDrafter,
+    "gemma_mtp": GemmaMTPDrafter,
 }
 
-__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter"]
+__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter"]

@@ -1,0 +1,222 @@
+"""Gemma-4-style separate MTP ("assistant") drafting on the target's KV cache and activations.
+
+A separately packaged drafter (``gemma4_assistant`` checkpoints) with its own small decoder
+whose attention layers have queries only: keys and values are read from the target's KV cache,
+each draft layer from the last non-shared target layer of its attention type (sliding or full).
+One step, for anchor token ``t`` (the last emitted token) and the target's post-norm hidden
+state ``h`` at the token before it:
+
+    x        = pre_projection( cat[ target_embed(t), h ] )        # Gemma's embedding scales by √D itself
+    y        = norm( layers(x) )                                   # Q-only attention on the target's K/V
+    logits   = lm_head(y)  or  the ordered-embedding sparse head
+    h_next   = post_projection(y)                                  # fed back as the next step's h
+
+Every step runs at the same position, the anchor's (``constant_draft_positions``): only the
+anchor and ``h`` change, so any ``k`` works. The sparse head scores the tokens of the
+``centroid_intermediate_top_k`` best of ``num_centroids`` clusters and fills the others with
+``min − 1`` of that row, exactly as transformers does but per row (its batch-wide minimum
+would make a row's q depend on its batch); q is the softmax over the full vocabulary of those
+logits, warped like the target's, and sampled from exactly.
+
+Sources: transformers ``models/gemma4_assistant`` and ``SinglePositionMultiTokenCandidateGenerator``;
+vLLM ``gemma4_mtp.py`` / ``spec_decode/gemma4.py`` (KV-sharing map, constant positions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM, Gemma4AssistantConfig, Gemma4TextConfig, PreTrainedModel
+
+from specdec.cache import RaggedCache
+from specdec.drafter import Drafter
+from specdec.sampling import RowSampling
+from specdec.target import Target
+from specdec.types import Committed, DraftProposal, Requirements
+
+__all__ = ["GemmaMTPDrafter", "GemmaMTPState", "kv_source_layers", "sparse_logits"]
+
+
+def kv_source_layers(target: Target) -> dict[str, int]:
+    """Attention type → index (in the target's cache) of the last non-shared layer of that type."""
+    types = target.layer_types or ["full_attention"] * target.num_layers
+    shared = int(getattr(target.text_config, "num_kv_shared_layers", 0) or 0)
+    owners = types[: len(types) - shared]  # KV-shared layers (Gemma 4) keep no cache of their own
+    return {t: max(i for i, lt in enumerate(owners) if lt == t) for t in set(owners)}
+
+
+def sparse_logits(hidden: Tensor, centroids: torch.nn.Linear, token_ordering: Tensor, lm_head_weight: Tensor,
+                  top_k: int) -> Tensor:
+    """Ordered-embedding head: score only the tokens of the ``top_k`` best clusters. [B, V]"""
+    B, V = hidden.shape[0], lm_head_weight.shape[0]
+    per_cluster = V // centroids.out_features
+    clusters = centroids(hidden).topk(top_k, dim=-1).indices  # [B, top_k]
+    members = token_ordering.long().view(centroids.out_features, per_cluster)[clusters].reshape(B, -1)
+    scores = torch.einsum("bd,bnd->bn", hidden, lm_head_weight[members])  # [B, top_k * per_cluster]
+    fill = scores.min(-1, keepdim=True).values - 1.0
+    return fill.expand(B, V).clone().scatter_(1, members, scores)
+
+
+@dataclass
+class GemmaMTPState:
+    hidden: Tensor  # [B, D_target] post-norm hidden state at the last committed token
+    anchor: Tensor  # [B] the token after it (not yet in the target cache)
+    cache: RaggedCache  # the target's, read-only
+    logits: Tensor | None = None  # [B, k, V] of the last proposal, for inspection
+
+
+class GemmaMTPDrafter(Drafter):
+    name = "gemma_mtp"
+
+    def __init__(self, assistant: PreTrainedModel, greedy_draft: bool = False):
+        if getattr(assistant.config, "model_type", "") not in ("gemma4_assistant", "gemma4_unified_assistant"):
+            raise ValueError(f"expected a gemma4_assistant model, got {assistant.config.model_type!r}")
+        self.assistant = assistant.eval()
+        self.greedy_draft = greedy_draft
+        self.text_config = assistant.config.get_text_config()
+
+    def requirements(self) -> Requirements:
+        return Requirements(final_hidden=True, target_cache=True)
+
+    def bind(self, target: Target) -> None:
+        cfg = self.assistant.config
+        if cfg.backbone_hidden_size != target.hidden_size:
+            raise ValueError(f"assistant backbone_hidden_size {cfg.backbone_hidden_size} != target hidden size"
+                             f" {target.hidden_size}")
+        if self.assistant.lm_head.weight.shape[0] != target.vocab_size:
+            raise ValueError(f"assistant vocabulary ({self.assistant.lm_head.weight.shape[0]}) differs from the"
+                             f" target's ({target.vocab_size})")
+        sources = kv_source_layers(target)
+        missing = set(self.text_config.layer_types) - set(sources)
+        if missing:
+            raise ValueError(f"the target has no layer of type {sorted(missing)} to share K/V with")
+        self.sources = sources
+        super().bind(target)
+
+    def start(self, prefill: Committed, rows: RowSampling) -> GemmaMTPState:
+        assert prefill.final_hidden is not None and prefill.target_cache is not None
+        return GemmaMTPState(self._last(prefill), prefill.next_tokens, prefill.target_cache)
+
+    @staticmethod
+    def _last(committed: Committed) -> Tensor:
+        assert committed.final_hidden is not None
+        idx = (committed.num_tokens - 1).clamp(min=0)
+        return committed.final_hidden[torch.arange(idx.numel(), device=idx.device), idx]
+
+    def _masks(self, cache: RaggedCache) -> dict[str, Tensor]:
+        """One query at the anchor's position; keys are the target's committed slots.
+
+        Sliding layers see the last ``sliding_window + 1`` committed tokens: that is the window
+        transformers' assistant builds (a bidirectional window flipped onto the past), which the
+        released assistants are served with there; the target's own sliding layers see one fewer.
+        """
+        pos = cache.lengths.unsqueeze(1)  # [B, 1]
+        allowed = {"full_attention": cache.valid}
+        window = getattr(self.text_config, "sliding_window", None)
+        if window:
+            allowed["sliding_attention"] = cache.valid & (pos - cache.slot_pos <= window + 1)
+        dtype = self.assistant.dtype
+        neg = torch.finfo(dtype).min
+        return {t: torch.where(a, 0.0, neg).to(dtype)[:, None, None, :] for t, a in allowed.items()}
+
+    @torch.inference_mode()
+    def step(self, state: GemmaMTPState, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """One assistant pass. tokens [B], hidden [B, D_target] → (logits [B, V], next hidden)."""
+        a, cache = self.assistant, state.cache
+        kv = {t: (cache.kv.layers[i].keys, cache.kv.layers[i].values) for t, i in self.sources.items()}
+        x = torch.cat([self.target.embed_tokens(tokens), hidden], dim=-1).to(a.dtype)
+        x = a.pre_projection(x).unsqueeze(1)  # [B, 1, d]
+        masks = self._masks(cache)
+        out = a.model(inputs_embeds=x, attention_mask={t: masks[t] for t in set(self.text_config.layer_types)},
+                      position_ids=cache.lengths.unsqueeze(1), shared_kv_states=kv, use_cache=False)
+        y = out.last_hidden_state[:, 0]
+        if a.config.use_ordered_embeddings:
+            me = a.masked_embedding
+            logits = sparse_logits(y, me.centroids, me.token_ordering, a.lm_head.weight, me.centroid_intermediate_top_k)
+        else:
+            logits = a.lm_head(y)
+        return logits.float(), a.post_projection(y).to(hidden.dtype)
+
+    def propose(self, state: GemmaMTPState, k: int, rows: RowSampling) -> DraftProposal:
+        tokens, qs, all_logits = [], [], []
+        x, h = state.anchor, state.hidden
+        for _ in range(k):
+            logits, h = self.step(state, x, h)
+            all_logits.append(logits)
+            if self.greedy_draft:
+                x = logits.argmax(-1)
+            else:
+                q = rows.probs(logits)
+                qs.append(q)
+                x = rows.sample(q)
+            tokens.append(x)
+        state.logits = torch.stack(all_logits, 1)
+        return DraftProposal.chain(torch.stack(tokens, 1), torch.stack(qs, 1) if qs else None)
+
+    def observe(self, state: GemmaMTPState, committed: Committed) -> None:
+        state.hidden, state.anchor = self._last(committed), committed.next_tokens
+
+    def select_rows(self, state: GemmaMTPState, rows: Tensor) -> None:
+        state.hidden, state.anchor = state.hidden[rows], state.anchor[rows]  # the cache is the target's
+
+    @classmethod
+    def create(cls, target: Target, **options: Any) -> GemmaMTPDrafter:
+        """``checkpoint``: a gemma4_assistant folder (safetensors), or ``model``: a loaded one."""
+        model = options.pop("model", None)
+        if model is None:
+            checkpoint = options.pop("checkpoint", "")
+            if not checkpoint:
+                raise ValueError("gemma_mtp needs `checkpoint` (a gemma4_assistant folder) or `model`")
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=target.dtype, use_safetensors=True)
+        d = cls(model, **options)
+        d.bind(target)
+        return d
+
+    @classmethod
+    def tiny(cls, target: Target, **overrides: Any) -> GemmaMTPDrafter:
+        """A random 2-layer assistant shaped to read ``target``'s KV cache."""
+        seed = overrides.pop("seed", 0)
+        ordered = overrides.pop("use_ordered_embeddings", False)
+        model = tiny_assistant(target, seed=seed, use_ordered_embeddings=ordered)
+        d = cls(model, **overrides)
+        d.bind(target)
+        return d
+
+
+def _head_dim(target: Target, layer: int) -> int:
+    attn = target.layers[layer].self_attn
+    if not hasattr(attn, "head_dim") or not hasattr(attn, "k_proj"):
+        raise ValueError(f"{type(attn).__name__} keeps no per-head K/V an assistant can read (MLA?)")
+    return int(attn.head_dim)
+
+
+def tiny_assistant(target: Target, seed: int = 0, use_ordered_embeddings: bool = False,
+                   num_centroids: int = 4, centroid_top_k: int = 2) -> PreTrainedModel:
+    """Random assistant whose attention heads match the target's cached K/V, for any family."""
+    tc = target.text_config
+    sources = kv_source_layers(target)
+    types = sorted(sources, key=lambda t: t == "full_attention")  # Gemma 4 ends on a full layer
+    dims = {t: _head_dim(target, i) for t, i in sources.items()}
+    kv_heads = int(tc.num_key_value_heads)
+    text = Gemma4TextConfig(
+        vocab_size=target.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=len(types),
+        num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads,
+        head_dim=dims.get("sliding_attention", dims.get("full_attention")),
+        global_head_dim=dims.get("full_attention", dims.get("sliding_attention")),
+        layer_types=types, sliding_window=getattr(tc, "sliding_window", None) or 4096,
+        max_position_embeddings=target.max_positions, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+        num_kv_shared_layers=len(types), initializer_range=0.3)
+    text._attn_implementation = "sdpa"
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.hidden_size,
+                                   use_ordered_embeddings=use_ordered_embeddings, num_centroids=num_centroids,
+                                   centroid_intermediate_top_k=centroid_top_k)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if use_ordered_embeddings:
+        model.masked_embedding.token_ordering.copy_(torch.randperm(target.vocab_size))
+    return model
+
