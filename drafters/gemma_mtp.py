@@ -37,7 +37,8 @@ from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
 
-__all__ = ["GemmaMTPDrafter", "GemmaMTPState", "kv_source_layers", "sparse_logits"]
+__all__ = ["GemmaMTPDrafter", "GemmaMTPState", "kv_source_layers", "sparse_logits", "assistant_config",
+           "tiny_assistant"]
 
 
 def kv_source_layers(target: Target) -> dict[str, int]:
@@ -193,30 +194,41 @@ def _head_dim(target: Target, layer: int) -> int:
     return int(attn.head_dim)
 
 
-def tiny_assistant(target: Target, seed: int = 0, use_ordered_embeddings: bool = False,
-                   num_centroids: int = 4, centroid_top_k: int = 2) -> PreTrainedModel:
-    """Random assistant whose attention heads match the target's cached K/V, for any family."""
+def assistant_config(target: Target, hidden_size: int = 32, intermediate_size: int = 64,
+                     heads_per_kv: int = 2, use_ordered_embeddings: bool = False, num_centroids: int = 4,
+                     centroid_top_k: int = 2, initializer_range: float = 0.02) -> Gemma4AssistantConfig:
+    """An assistant config shaped to read ``target``'s cache: one Q-only layer per attention type
+    the target has (full last), the target's head sizes, KV heads and RoPE (so the queries' RoPE
+    matches the keys' the target cached)."""
     tc = target.text_config
     sources = kv_source_layers(target)
     types = sorted(sources, key=lambda t: t == "full_attention")  # Gemma 4 ends on a full layer
     dims = {t: _head_dim(target, i) for t, i in sources.items()}
     kv_heads = int(tc.num_key_value_heads)
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10_000.0})
+    per_type = rope if set(types) <= set(rope) else {t: rope for t in types}
     text = Gemma4TextConfig(
-        vocab_size=target.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=len(types),
-        num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads,
+        vocab_size=target.vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=len(types), num_attention_heads=heads_per_kv * kv_heads, num_key_value_heads=kv_heads,
         head_dim=dims.get("sliding_attention", dims.get("full_attention")),
         global_head_dim=dims.get("full_attention", dims.get("sliding_attention")),
         layer_types=types, sliding_window=getattr(tc, "sliding_window", None) or 4096,
+        rope_parameters={t: dict(per_type[t]) for t in types},
         max_position_embeddings=target.max_positions, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-        num_kv_shared_layers=len(types), initializer_range=0.3)
+        num_kv_shared_layers=len(types), initializer_range=initializer_range)
     text._attn_implementation = "sdpa"
     config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=target.hidden_size,
                                    use_ordered_embeddings=use_ordered_embeddings, num_centroids=num_centroids,
                                    centroid_intermediate_top_k=centroid_top_k)
     config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_assistant(target: Target, seed: int = 0, use_ordered_embeddings: bool = False) -> PreTrainedModel:
+    """Random assistant whose attention reads ``target``'s KV cache, for any family."""
+    config = assistant_config(target, use_ordered_embeddings=use_ordered_embeddings, initializer_range=0.3)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     if use_ordered_embeddings:
         model.masked_embedding.token_ordering.copy_(torch.randperm(target.vocab_size))
     return model
-

@@ -89,3 +89,26 @@ def test_targets_it_cannot_read_are_refused():
     other = Target(tiny_model("llama", vocab_size=32, hidden_size=48))
     with pytest.raises(ValueError, match="backbone_hidden_size"):
         GemmaMTPDrafter(tiny_assistant(other)).bind(llama)
+
+
+def test_loads_a_gemma4_assistant_checkpoint_from_safetensors(gemma4_target, tmp_path):
+    assistant = tiny_assistant(gemma4_target, seed=4, use_ordered_embeddings=True)
+    assistant.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert '"model_type": "gemma4_assistant"' in (tmp_path / "config.json").read_text()
+    loaded = GemmaMTPDrafter.create(gemma4_target, checkpoint=str(tmp_path))
+    for name, p in assistant.state_dict().items():
+        torch.testing.assert_close(loaded.assistant.state_dict()[name], p)
+    res = run(gemma4_target, loaded, GreedyVerifier(), [Request([1, 2, 3], 6)], k=3, eos_token_ids=set())
+    assert len(res.requests[0].tokens) == 6
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma4"])
+def test_assistant_queries_use_the_targets_rope(family):
+    """The queries are rotated like the keys the target cached, for any target family."""
+    t = Target(tiny_model(family, vocab_size=48))
+    a = tiny_assistant(t)
+    pos, x = torch.arange(20)[None], torch.zeros(1, 20, 8)
+    args = () if family in ("llama", "qwen3") else ("full_attention",)
+    for ours, theirs in zip(a.model.rotary_emb(x, pos, "full_attention"), t.decoder.rotary_emb(x, pos, *args)):
+        torch.testing.assert_close(ours, theirs)
