@@ -5,6 +5,7 @@
 | ``ngram`` | tokens only | prompt lookup, deterministic chain |
 | ``draft_model`` | nothing (own LM, same vocabulary) | ``k`` sequential samples, exact q |
 | ``gemma_mtp`` | post-norm final hidden, the target's KV cache | Gemma-4 assistant: Q-only layers on the target's K/V, ``k`` steps at one position |
+| ``mtp`` | post-norm final hidden state | DeepSeek-V3 MTP/NextN modules, reused past their depth; chain (exact q) or top-k tree |
 """
 
 if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to another PyPI package
@@ -18,12 +19,14 @@ if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to anothe
 from specdec.drafter import Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.gemma_mtp import GemmaMTPDrafter
+from specdec.drafters.mtp import MTPDrafter
 from specdec.drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "ngram": NgramDrafter,
     "draft_model": DraftModelDrafter,
     "gemma_mtp": GemmaMTPDrafter,
+    "mtp": MTPDrafter,
 }
 
-__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter"]
+__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter"]
