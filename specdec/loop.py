@@ -168,7 +168,7 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
         rm.draft_s += (tb - ta) + (tf - te)
         rm.target_s += tc - tb
         rm.verify_s += td - tc
-        rm.steps += 1
+        rm.batch_steps += 1
         for i in live[~active].tolist():
             metrics[i].latency_s = tg - t0
     rm.wall_s = clock() - t0

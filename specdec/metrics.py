@@ -23,8 +23,8 @@ class RequestMetrics:
     drafted_at: list[int] = field(default_factory=list)  # per depth
     accepted_at: list[int] = field(default_factory=list)  # per depth
     finish_reason: str = ""  # "eos" or "length"
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
+    ttft_s: float = 0.0  # the batch prefill: with static batching every row of a batch gets its first token together
+    latency_s: float = 0.0  # from the start of the run to the step that finished this request
 
     def record(self, depth_drafted: int, depth_accepted: int, drafted: int) -> None:
         self.steps += 1
@@ -65,7 +65,7 @@ class RunMetrics:
     draft_s: float = 0.0  # drafter propose + observe
     target_s: float = 0.0  # target forward passes (after the prefill)
     verify_s: float = 0.0  # verifier
-    steps: int = 0
+    batch_steps: int = 0  # draft → verify steps of the whole batch (a request counts its own in RequestMetrics.steps)
     new_tokens: int = 0
 
     @property

@@ -31,6 +31,7 @@ def _registry_case(name):
 CASES = {f"{name}[tiny]": _registry_case(name) for name in DRAFTERS}
 CASES.update({
     "draft_model[self]": lambda t: DraftModelDrafter.create(t, model=t.model),
+    "gemma_mtp[ordered_embeddings]": lambda t: DRAFTERS["gemma_mtp"].tiny(t, use_ordered_embeddings=True),
     "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
     "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
     "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),

@@ -1,0 +1,113 @@
+"""Typed configuration of an experiment run: the one set of settings behind every entry point.
+
+Hydra (``experiments/run.py``) composes YAML from ``experiments/conf/`` onto these dataclasses and
+converts once with ``OmegaConf.to_object``; the notebook and the tests build them directly. This
+module never imports hydra. Sampling is the library's own :class:`~specdec.sampling.SamplingParams`
+(not a copy of its fields); drafter and verifier options are the keyword arguments of
+:func:`specdec.make_drafter` / :func:`specdec.make_verifier`, validated by the drafter's own config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.sampling import SamplingParams
+
+__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "RunConfig", "DATASETS",
+           "HF_METHODS"]
+
+DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench")
+
+# transformers generate() peers run side by side (batch 1). Each names the specdec drafter it mirrors.
+HF_METHODS = {
+    "generate": None,  # plain greedy/sampled generate(): the peer of specdec's autoregressive loop
+    "prompt_lookup": "ngram",  # prompt_lookup_num_tokens=k
+    "assistant": "draft_model",  # assistant_model=<the same draft weights>
+    "mtp": "mtp",  # use_mtp=True (waits for the mtp drafter)
+    "dflash": "dflash",  # transformers' DFlash candidate generator (waits for the dflash drafter)
+}
+
+
+@dataclass
+class TargetConfig:
+    model: str = "smollm2-135m"  # an alias of specdec.models, a local folder, or "tiny" (random weights)
+    dtype: str = "float32"
+    device_map: str | None = None  # accelerate's device_map (e.g. "auto"); None = CPU
+    tiny: dict[str, Any] = field(default_factory=dict)  # specdec.tiny.tiny_model options when model == "tiny"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"target.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass
+class DrafterConfig:
+    name: str | None = None  # a key of specdec.drafters.DRAFTERS; None = autoregressive only
+    options: dict[str, Any] = field(default_factory=dict)  # make_drafter(name, target, **options)
+
+
+@dataclass
+class VerifierConfig:
+    name: str = "rejection"  # a key of specdec.verifiers.VERIFIERS
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "random"  # one of DATASETS
+    path: str | None = None  # sharegpt / specbench file; None = the offline package (sharegpt only)
+    num_prompts: int = 8  # first N after filtering (and shuffling, if asked)
+    output_len: int | None = 64  # max new tokens per turn; sharegpt: None = the recorded reply's length
+    input_len: int = 128  # random only: prompt tokens
+    range_ratio: float = 1.0  # random only: lengths uniform in [ratio * len, len], as SGLang's "random"
+    turns: int = 2  # mtbench / specbench: how many user turns per conversation (1 or 2)
+    chat: bool = True  # apply the target's chat template where it has one (text datasets)
+    shuffle: bool = False  # shuffle (seeded by the run seed) before taking num_prompts
+    ignore_eos: bool = False  # generate exactly output_len tokens (the usual throughput setting)
+    max_prompt_len: int = 1024  # sharegpt: drop longer prompts (SGLang's filter)
+
+    def __post_init__(self) -> None:
+        if self.name not in DATASETS:
+            raise ValueError(f"dataset.name must be one of {DATASETS}, got {self.name!r}")
+        if self.num_prompts < 1:
+            raise ValueError(f"dataset.num_prompts must be >= 1, got {self.num_prompts}")
+        if self.output_len is not None and self.output_len < 1:
+            raise ValueError(f"dataset.output_len must be >= 1 or None, got {self.output_len}")
+        if not 0 <= self.range_ratio <= 1:
+            raise ValueError(f"dataset.range_ratio must lie in [0, 1], got {self.range_ratio}")
+        if self.turns < 1:
+            raise ValueError(f"dataset.turns must be >= 1, got {self.turns}")
+        if self.output_len is None and self.name != "sharegpt":
+            raise ValueError("dataset.output_len=None (the recorded reply's length) exists for sharegpt only")
+        if self.name == "specbench" and not self.path:
+            raise ValueError("dataset specbench needs dataset.path: a Spec-Bench question.jsonl")
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # its seed, if set, replaces `seed`
+    num_speculative_tokens: int = 4  # k: draft tokens (tree nodes) per step
+    concurrency: int = 1  # requests decoded together as one batch
+    seed: int = 0  # request i samples with seed + i; the random dataset and shuffling use it too
+    baseline: bool = True  # also decode autoregressively in the same run (speedups need it)
+    hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
+    warmup: bool = True  # one short untimed run of every method first
+    progress: bool = True  # tqdm bars
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
+        if unknown:
+            raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(HF_METHODS)}")
+
+    @property
+    def request_seed_base(self) -> int:
+        return self.sampling.seed if self.sampling.seed is not None else self.seed

@@ -1,0 +1,236 @@
+"""The Hydra experiments: every YAML composes onto the typed RunConfig, the entry point runs end to
+end on the tiny target and writes its files, a re-run gives the same tokens, the report draws.
+
+The entry point runs in a subprocess from the repository root, by path, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from specdec.bench import predicted_speedup, run_experiment
+from specdec.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.drafters import DRAFTERS
+from specdec.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP = ROOT / "experiments"
+CONF = EXP / "conf"
+GROUPS = ("target", "drafter", "verifier", "dataset", "sampling")
+TINY_RUN = ["target=tiny", "dataset=random", "dataset.num_prompts=3", "dataset.input_len=10", "dataset.output_len=12",
+            "progress=false"]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+entry = _load("specdec_experiments_run", EXP / "run.py")  # registers run_schema
+report = _load("specdec_experiments_report", EXP / "report.py")
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.fixture()
+def hydra_conf():
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+# --- configs -----------------------------------------------------------------------------------
+
+def test_every_registered_drafter_has_a_yaml():
+    missing = set(DRAFTERS) - set(_options("drafter"))
+    assert not missing, f"every drafter that lands gets experiments/conf/drafter/<name>.yaml; missing {missing}"
+
+
+def test_every_group_option_composes_through_hydra(hydra_conf):
+    for group in GROUPS:
+        for option in _options(group):
+            overrides = [f"{group}={option}"] + (["dataset.path=/q.jsonl"] if option == "specbench" else [])
+            run = entry.to_run_config(compose(config_name="config", overrides=overrides))
+            assert isinstance(run, RunConfig) and isinstance(run.sampling, SamplingParams)
+
+
+def test_every_combination_of_groups_converts_to_a_run_config():
+    """Every product of group YAMLs on the schema, merged as Hydra merges them (compose is ~60 ms a
+    call, too slow for hundreds of combinations; the test above covers the defaults-list path)."""
+    yamls = {g: {o: OmegaConf.load(CONF / g / f"{o}.yaml") for o in _options(g)} for g in GROUPS}
+    combos = list(itertools.product(*(yamls[g] for g in GROUPS)))
+    assert len(combos) >= 2 * 3 * 3 * 5 * 3
+    schema = ConfigStore.instance().load("run_schema.yaml").node
+    for combo in combos:
+        cfg = OmegaConf.merge(schema, {g: yamls[g][o] for g, o in zip(GROUPS, combo)})
+        if cfg.dataset.name == "specbench":
+            cfg.dataset.path = "/q.jsonl"
+        run = entry.to_run_config(cfg)
+        assert isinstance(run.target, TargetConfig) and isinstance(run.dataset, DatasetConfig)
+        assert isinstance(run.drafter, DrafterConfig) and run.drafter.name in (None, *DRAFTERS)
+        assert isinstance(run.sampling, SamplingParams)
+
+
+def test_the_sweep_preset_composes(hydra_conf):
+    run = entry.to_run_config(compose(config_name="smollm2_ngram_sweep"))
+    assert run.dataset.name == "mtbench" and run.dataset.turns == 1 and run.drafter.name == "ngram"
+
+
+def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
+    run = entry.to_run_config(compose(config_name="config", overrides=[
+        "sampling=nucleus", "num_speculative_tokens=8", "concurrency=16", "drafter.options.max_ngram=2",
+        "+drafter.options.extra=1", "hf_compare=[generate,prompt_lookup]"]))
+    assert run.sampling == SamplingParams(temperature=0.7, top_p=0.9) and run.num_speculative_tokens == 8
+    assert run.drafter.options == {"max_ngram": 2, "min_ngram": 1, "extra": 1} and run.concurrency == 16
+    with pytest.raises(Exception, match="bogus"):
+        compose(config_name="config", overrides=["sampling.bogus=1"])
+    with pytest.raises(Exception, match="concurrency"):
+        compose(config_name="config", overrides=["concurrency=many"])
+    with pytest.raises(ValueError, match="top_p"):  # SamplingParams' own validation runs in to_object
+        entry.to_run_config(compose(config_name="config", overrides=["sampling.top_p=3"]))
+    with pytest.raises(ValueError, match="hf_compare"):
+        entry.to_run_config(compose(config_name="config", overrides=["hf_compare=[vllm]"]))
+
+
+# --- the entry point ---------------------------------------------------------------------------
+
+def _run_entry(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, str(EXP / "run.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _tokens(folder: Path) -> dict[tuple[str, int], list[int]]:
+    recs = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    return {(r["method"], r["request"]): r["tokens"] for r in recs}
+
+
+def test_entry_point_writes_its_files_and_a_rerun_gives_the_same_tokens(tmp_path):
+    args = [*TINY_RUN, "drafter=draft_model", "sampling=nucleus", "concurrency=2", "seed=7",
+            "hf_compare=[generate,prompt_lookup]"]
+    _run_entry(*args, f"hydra.run.dir={tmp_path / 'a'}")
+    a = tmp_path / "a"
+    for f in ("config.yaml", "config.json", "requests.jsonl", "summary.json", "summary.md"):
+        assert (a / f).is_file(), f
+    cfg = json.loads((a / "config.json").read_text())["config"]
+    assert cfg["concurrency"] == 2 and cfg["sampling"]["temperature"] == 0.7 and cfg["drafter"]["name"] == "draft_model"
+    summary = json.loads((a / "summary.json").read_text())
+    assert set(summary) == {"ar", "spec", "hf_generate", "hf_prompt_lookup"}
+    spec = summary["spec"]
+    for key in ("mean_accepted_length", "acceptance_at", "tokens_per_s", "ttft_mean_s", "tpot_mean_s",
+                "latency_mean_s", "speedup", "decode_speedup", "predicted_speedup", "overhead_frac"):
+        assert key in spec, key
+    assert len(spec["acceptance_at"]) == 4 and spec["mean_accepted_length"] >= 1
+    tokens = _tokens(a)
+    assert len(tokens) == 4 * 3 and all(len(t) == 12 for t in tokens.values())  # random ignores EOS
+    assert "| spec |" in (a / "summary.md").read_text()
+
+    _run_entry(*args, f"hydra.run.dir={tmp_path / 'b'}")
+    assert _tokens(tmp_path / "b") == tokens  # same config and seed: same tokens, every method
+
+
+def test_sweep_and_report(tmp_path):
+    _run_entry("-m", *TINY_RUN, "num_speculative_tokens=2,4", "concurrency=1,3", f"hydra.sweep.dir={tmp_path}")
+    assert len(list(tmp_path.rglob("summary.json"))) == 4
+    md = report.write_report(tmp_path)
+    text = md.read_text()
+    assert text.count("| spec |") == 4 and text.count("| ar |") == 4
+    for png in ("throughput_latency.png", "acceptance.png", "speedup_k.png"):
+        assert (tmp_path / png).stat().st_size > 5000 and f"]({png})" in text
+
+
+# --- measurements, in process ------------------------------------------------------------------
+
+def _tiny_cfg(**kw) -> RunConfig:
+    base = dict(target=TargetConfig(model="tiny", tiny={"vocab_size": 64, "init_scale": 0.3}),
+                drafter=DrafterConfig("ngram"),
+                dataset=DatasetConfig(name="random", num_prompts=4, input_len=12, output_len=10, ignore_eos=True),
+                progress=False, warmup=False)
+    return RunConfig(**{**base, **kw})
+
+
+def test_greedy_speculation_reproduces_autoregressive_and_transformers(target):
+    cfg = _tiny_cfg(concurrency=3, hf_compare=["generate", "prompt_lookup"])
+    res = run_experiment(cfg, target=target)
+    s = res.summary
+    assert res.tokens("spec") == res.tokens("ar") == res.tokens("hf_generate") == res.tokens("hf_prompt_lookup")
+    assert s["spec"]["identical_to_baseline"] == 4 and s["hf_prompt_lookup"]["identical_to_hf_generate"] == 4
+    assert s["spec"]["baseline"] == "ar" and s["hf_prompt_lookup"]["baseline"] == "hf_generate"
+    assert s["ar"]["mean_accepted_length"] == 1.0 and s["ar"]["concurrency"] == 3
+    assert s["spec"]["predicted_speedup"] > 0 and s["spec"]["row_steps"] == sum(
+        r["steps"] for r in res.records if r["method"] == "spec")
+
+
+def test_assistant_model_runs_the_draft_model_weights(target):
+    res = run_experiment(_tiny_cfg(drafter=DrafterConfig("draft_model"), hf_compare=["generate", "assistant"]),
+                         target=target)
+    assert res.tokens("hf_assistant") == res.tokens("hf_generate") == res.tokens("spec")
+
+
+def test_transformers_columns_waiting_for_their_drafter_say_so(target):
+    with pytest.raises(NotImplementedError, match="dflash"):
+        run_experiment(_tiny_cfg(hf_compare=["dflash"]), target=target)
+    with pytest.raises(ValueError, match="draft_model"):
+        run_experiment(_tiny_cfg(hf_compare=["assistant"]), target=target)
+
+
+def test_transformers_use_mtp_runs_the_same_mtp_checkpoint():
+    """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules."""
+    ckpt = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
+    cfg = _tiny_cfg(target=TargetConfig(model=str(ckpt)), drafter=DrafterConfig("mtp", {"checkpoint": str(ckpt)}),
+                    num_speculative_tokens=2, hf_compare=["generate", "mtp"],
+                    dataset=DatasetConfig(name="random", num_prompts=2, input_len=16, output_len=12, ignore_eos=True))
+    res = run_experiment(cfg)
+    assert res.tokens("spec") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+
+
+def test_autoregressive_only_run(target):
+    res = run_experiment(_tiny_cfg(drafter=DrafterConfig(None)), target=target)
+    assert set(res.summary) == {"ar"}
+
+
+def test_predicted_speedup_formula():
+    # 3 tokens per step; a step costs 1 ms drafting + 2 ms verifying; a plain token costs 1.5 ms
+    assert predicted_speedup(3.0, 1e-3, 2e-3, 1.5e-3) == pytest.approx(1.5)
+
+
+def test_second_turns_follow_the_methods_own_answer():
+    from specdec.bench import encode_turn
+    from specdec.datasets import Sample
+
+    class Tok:  # a chat-template tokenizer stub: one id per message character count
+        chat_template = "stub"
+
+        def apply_chat_template(self, messages, **kw):
+            return [len(m["content"]) for m in messages]
+
+        def encode(self, text):
+            return [len(text)]
+
+    class T:
+        tokenizer = Tok()
+
+    s = Sample(id="q", output_len=4, turns=["hello", "and more"])
+    assert encode_turn(T(), s, 0, [], chat=True) == [5]
+    assert encode_turn(T(), s, 1, ["an answer"], chat=True) == [5, 9, 8]  # user, assistant, user
+    assert encode_turn(T(), s, 1, ["an answer"], chat=False) == [len("hello\n\nan answer\n\nand more")]
