@@ -13,7 +13,8 @@ with the target's greedy choices before it (elsewhere its label was conditioned 
 prefix). Step ``j`` is weighted ``0.8**j``. Queries attend to the target's cached K/V strictly
 before the anchor, exactly as the drafter reads them at inference.
 
-    .venv/bin/python experiments/train_gemma_mtp.py --out experiments/checkpoints/smollm2-135m-gemma-mtp
+    .venv/bin/python experiments/train_gemma_mtp.py --out experiments/checkpoints/smollm2-135m-gemma-mtp \
+        --steps 1200 --stop-after 1107          # the committed checkpoint (about 30 min on one thread)
 
 Deterministic from ``--seed`` (one torch thread). Writes a bf16 ``gemma4_assistant`` checkpoint
 (config.json + model.safetensors) and ``train_args.json``.
@@ -119,7 +120,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--minutes", type=float, default=30.0, help="stop early after this much training time")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="run only this many of the schedule's --steps (the committed checkpoint: 1107 of 1200)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="also stop after this much training time (not reproducible: train_args.json records"
+                         " the steps run, for --stop-after)")
     ap.add_argument("--lr", type=float, default=2e-3)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -148,7 +153,7 @@ def main() -> None:
         opt.step()
         sched.step()
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=" ".join(f"{a:.2f}" for a in accs))
-        if time.time() - start > args.minutes * 60:
+        if step + 1 == args.stop_after or (args.minutes and time.time() - start > args.minutes * 60):
             break
     with torch.no_grad():
         held_accs = [batch_loss(assistant, target, held[i: i + 8], args.anchors, args.unroll, gen)[1]
