@@ -63,6 +63,15 @@ def _series(runs: list[dict]) -> dict[str, dict[int, dict]]:
     return series
 
 
+def _finish(fig, ax, path: Path, legend_size: int = 7) -> None:
+    """Grid, legend, tight layout, save, close: the same last lines for every figure."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def plot_throughput_latency(runs: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
     for label, by_c in _series(runs).items():
@@ -74,11 +83,7 @@ def plot_throughput_latency(runs: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("mean end-to-end latency per request (s)")
     ax.set_ylabel("throughput (new tokens/s)")
     ax.set_title(title + "\n(labels: concurrency)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, ax, path)
 
 
 def plot_acceptance(runs: list[dict], path: Path, title: str) -> None:
@@ -94,11 +99,7 @@ def plot_acceptance(runs: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("acceptance (given drafted that deep)")
     ax.set_ylim(0, 1)
     ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, ax, path)
 
 
 def plot_speedup_k(runs: list[dict], path: Path, title: str) -> None:
@@ -119,7 +120,6 @@ def plot_speedup_k(runs: list[dict], path: Path, title: str) -> None:
     for key, (ls, marker, text) in styles.items():
         ax.plot([], [], color="black", linestyle=ls, marker=marker, label=text)
     ks_all = sorted({k for pts in groups.values() for k, _ in pts})
-    ax.set_xticks(ks_all, [str(k) for k in ks_all])
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("k (num_speculative_tokens)")
     ax.set_ylabel("speedup over autoregressive")
@@ -127,11 +127,7 @@ def plot_speedup_k(runs: list[dict], path: Path, title: str) -> None:
     ax.set_xticks(ks_all, [str(k) for k in ks_all])
     ax.minorticks_off()
     ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _finish(fig, ax, path, legend_size=6)
 
 
 def _fmt(x, spec: str) -> str:
