@@ -96,14 +96,11 @@ class DraftModelDrafter(Drafter):
             if j:
                 logits = self.draft.forward(state.session, tokens[-1].unsqueeze(1)).logits[:, 0]
                 self.draft.commit(state.session, torch.ones(len(pending), 1, dtype=torch.bool))
-            if self.greedy_draft:
-                tokens.append(logits.argmax(-1))
-            else:
-                q = rows.probs(logits)
-                qs.append(q)
-                tokens.append(rows.sample(q))
+            x, q = rows.draw(logits, self.greedy_draft)
+            tokens.append(x)
+            qs.append(q)
         state.tentative = k - 1
-        q = torch.stack(qs, 1) if qs else None
+        q = None if self.greedy_draft else torch.stack(qs, 1)
         return DraftProposal.chain(torch.stack(tokens, 1).to(self.target.device), q)
 
     def observe(self, state: DraftModelState, committed: Committed) -> None:

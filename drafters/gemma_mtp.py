@@ -147,15 +147,11 @@ class GemmaMTPDrafter(Drafter):
         for _ in range(k):
             logits, h = self.step(state, x, h)
             all_logits.append(logits)
-            if self.greedy_draft:
-                x = logits.argmax(-1)
-            else:
-                q = rows.probs(logits)
-                qs.append(q)
-                x = rows.sample(q)
+            x, q = rows.draw(logits, self.greedy_draft)
             tokens.append(x)
+            qs.append(q)
         state.logits = torch.stack(all_logits, 1)
-        return DraftProposal.chain(torch.stack(tokens, 1), torch.stack(qs, 1) if qs else None)
+        return DraftProposal.chain(torch.stack(tokens, 1), None if self.greedy_draft else torch.stack(qs, 1))
 
     def observe(self, state: GemmaMTPState, committed: Committed) -> None:
         state.hidden, state.anchor = self._last(committed), committed.next_tokens

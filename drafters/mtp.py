@@ -256,9 +256,9 @@ class MTPDrafter(Drafter):
             elif greedy:
                 tokens.append(logits.argmax(-1))
             else:
-                q = rows.probs(logits[:, 0])
+                x, q = rows.draw(logits[:, 0])
                 qs.append(q)
-                tokens.append(rows.sample(q).unsqueeze(1))
+                tokens.append(x.unsqueeze(1))
             for b in range(B):
                 for br in range(K):
                     drafts[b][br].append(int(tokens[-1][b, br if tokens[-1].shape[1] > 1 else 0]))

@@ -152,3 +152,12 @@ class RowSampling:
     def sample(self, probs: Tensor) -> Tensor:
         """Draw one token per row from the drafter generators. probs [B, V] → [B]"""
         return sample_from(probs, self.draft_uniform())
+
+    def draw(self, logits: Tensor, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """One draft token per row from draft logits [B, V] and the q it was drawn from: a
+        sample of the warped distribution, or the argmax with q None (deterministic) when
+        ``greedy``. Returns ([B], [B, V] | None)."""
+        if greedy:
+            return logits.argmax(-1), None
+        q = self.probs(logits)
+        return self.sample(q), q
