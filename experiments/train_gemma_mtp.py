@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specdec
+from specdec.bench import git_sha
 from specdec.datasets import packaged_file, read_sharegpt
 from specdec.drafters.gemma_mtp import assistant_config, kv_source_layers
 from specdec.target import Target
@@ -163,8 +163,7 @@ def main() -> None:
 
     out = Path(args.out)
     assistant.to(torch.bfloat16).save_pretrained(out)
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    (out / "train_args.json").write_text(json.dumps({**vars(args), "steps_run": step + 1, "git": sha,
+    (out / "train_args.json").write_text(json.dumps({**vars(args), "steps_run": step + 1, "git": git_sha(),
                                                      "heldout_accuracy": held_acc}, indent=2))
     print(f"saved {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
 

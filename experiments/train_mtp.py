@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +33,7 @@ torch.set_num_threads(1)  # the 2 cores are shared; 2 threads under contention a
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
+from specdec.bench import git_sha  # noqa: E402
 from specdec.drafters.mtp import build_mtp_modules  # noqa: E402
 from specdec.drafters.mtp_checkpoint import save_mtp_checkpoint  # noqa: E402
 from specdec.training import encode_files, mtp_loss, random_windows, stdlib_files, train_tokenizer  # noqa: E402
@@ -46,14 +46,6 @@ TINY_DEEPSEEK_V3 = dict(
     q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     max_position_embeddings=2048, tie_word_embeddings=False, rope_interleave=True,
 )
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return ""
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:

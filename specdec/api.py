@@ -15,7 +15,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
 
-__all__ = ["load_target", "make_drafter", "make_verifier", "generate", "GenerationResult"]
+__all__ = ["load_target", "make_drafter", "make_verifier", "generate", "GenerationResult", "encode_messages"]
 
 
 def load_target(model: str | PreTrainedModel, tokenizer=None, dtype: torch.dtype = torch.float32,
@@ -58,16 +58,21 @@ class GenerationResult:
         return {**summarize([r.metrics for r in self.run.requests]), **self.run.metrics.to_dict()}
 
 
-def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
-    if not isinstance(prompt, str):
-        return list(prompt)
+def encode_messages(target: Target, messages: list[dict[str, str]], chat: bool) -> list[int]:
+    """Token ids of a conversation that ends in a user turn: the target's chat template (with the
+    generation prompt) where it has one and ``chat`` is set, else the turns joined by blank lines."""
     tok = target.tokenizer
     if tok is None:
         raise ValueError("text prompts need a target with a tokenizer; pass token ids instead")
     if chat and getattr(tok, "chat_template", None):
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False))
-    return tok.encode(prompt)
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return tok.encode("\n\n".join(m["content"] for m in messages))
+
+
+def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return encode_messages(target, [{"role": "user", "content": prompt}], chat)
 
 
 def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter: Drafter | str | None = None,

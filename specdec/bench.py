@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specdec.api import load_target, make_drafter, make_verifier
+from specdec.api import encode_messages, load_target, make_drafter, make_verifier
 from specdec.config import HF_METHODS, RunConfig, TargetConfig
 from specdec.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
@@ -48,7 +48,7 @@ from specdec.target import Target
 from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "predicted_speedup",
-           "summary_markdown"]
+           "summary_markdown", "git_sha"]
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -81,17 +81,12 @@ def encode_turn(target: Target, sample: Sample, turn: int, answers: list[str], c
     """Token ids of ``sample``'s turn ``turn``, after the earlier turns and this method's answers."""
     if sample.prompt_ids is not None:
         return list(sample.prompt_ids)
-    tok = target.tokenizer
-    if tok is None:
+    if target.tokenizer is None:
         raise ValueError("text datasets need a target with a tokenizer (the tiny target has none: use random)")
-    if chat and getattr(tok, "chat_template", None):
-        messages: list[dict[str, str]] = []
-        for t in range(turn):
-            messages += [{"role": "user", "content": sample.turns[t]}, {"role": "assistant", "content": answers[t]}]
-        messages.append({"role": "user", "content": sample.turns[turn]})
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-    parts = [x for t in range(turn) for x in (sample.turns[t], answers[t])] + [sample.turns[turn]]
-    return tok.encode("\n\n".join(parts))
+    messages: list[dict[str, str]] = []
+    for t in range(turn):
+        messages += [{"role": "user", "content": sample.turns[t]}, {"role": "assistant", "content": answers[t]}]
+    return encode_messages(target, messages + [{"role": "user", "content": sample.turns[turn]}], chat)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,7 +371,8 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
 # ------------------------------------------------------------------------------------------------
 # output files
 
-def _git_sha() -> str | None:
+def git_sha() -> str | None:
+    """The commit this library runs from (recorded with every result and checkpoint), or None."""
     try:
         root = Path(__file__).resolve().parents[1]
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
@@ -389,7 +385,7 @@ def write_outputs(result: ExperimentResult, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    meta = {"config": asdict(result.config), "git_sha": _git_sha(), "torch": torch.__version__,
+    meta = {"config": asdict(result.config), "git_sha": git_sha(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
     (out / "config.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
     with open(out / "requests.jsonl", "w") as f:
