@@ -48,3 +48,11 @@ def target() -> Target:
 @pytest.fixture(params=sorted(CASES))
 def drafter_case(request, target):
     return request.param, CASES[request.param](target)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Target:
+    """The real offline SmolLM2-135M-Instruct in fp32 (slow tests only), loaded once per session."""
+    import specdec
+
+    return specdec.load_target("smollm2-135m", dtype=torch.float32)
