@@ -32,10 +32,13 @@ from specdec.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.models import cache_dir
 from specdec.target import Target
 
-__all__ = ["HELD_OUT", "DistilledSeq", "training_conversations", "self_distill", "target_features"]
+__all__ = ["HELD_OUT", "RECIPE_DATA", "DistilledSeq", "training_conversations", "self_distill", "recipe_data",
+           "target_features"]
 
 # benchmark items never trained on: the first N of each dataset's file order
 HELD_OUT: dict[str, int] = {"mtbench": 40, "humaneval": 82}
+# the data every committed SmolLM2 recipe trains on (generated once, then read from the cache)
+RECIPE_DATA: dict[str, int] = {"n": 512, "max_new_tokens": 256, "seed": 0}
 
 
 @dataclass
@@ -111,6 +114,12 @@ def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 
               metadata={"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
     tmp.replace(file)
     return seqs
+
+
+def recipe_data(target: Target) -> list[DistilledSeq]:
+    """The committed recipes' data: :data:`RECIPE_DATA` through :func:`self_distill` (load the target
+    in fp32, as served: the cache key includes the dtype)."""
+    return self_distill(target, batch=64, **RECIPE_DATA)
 
 
 @torch.no_grad()  # not inference_mode: training code uses these tensors next to autograd
