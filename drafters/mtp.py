@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from specdec.cache import RaggedCache
 from specdec.drafter import Drafter
+from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
@@ -109,11 +110,19 @@ class MTPModule(nn.Module):
     def forward(self, embeds: Tensor, hidden: Tensor, position_embeddings, position_ids: Tensor,
                 attention_mask: Tensor | None = None, cache=None) -> tuple[Tensor, Tensor]:
         """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x = self.draft_input(embeds, hidden)
         out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                              use_cache=cache is not None, position_embeddings=position_embeddings)
         out = out[0] if isinstance(out, tuple) else out
         return out, self.shared_head.norm(out)
+
+    def draft_input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
+        """``eh_proj(cat[enorm(emb), hnorm(h)])``, fused (no concatenation in memory) when both
+        norms are the Llama-form RMSNorm the fused kernel implements; otherwise the modules."""
+        e, h = rms_norm_params(self.enorm), rms_norm_params(self.hnorm)
+        if e is None or h is None or e[1] != h[1]:
+            return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return fused_norm_concat_linear(embeds, hidden, e[0], h[0], self.eh_proj.weight, e[1], self.eh_proj.bias)
 
 
 def build_mtp_modules(target_model: nn.Module, depth: int) -> nn.ModuleList:

@@ -1,7 +1,9 @@
 """Fused Triton kernels for the draft → verify hot path, each beside an exact torch reference.
 
 Importable as ``specdec.kernels`` only. The library runs without Triton: every kernel has a
-pure-torch reference that is the default on CPU.
+pure-torch reference that is the default on CPU, and :mod:`specdec.kernels.dispatch` picks the
+path (``SPECDEC_KERNELS=auto|torch|triton``). Triton itself is imported only when a Triton path
+runs. See ``docs/kernels.md``.
 """
 
 if __name__ != "specdec.kernels":  # the bare name `kernels` belongs to another PyPI package
@@ -11,3 +13,16 @@ if __name__ != "specdec.kernels":  # the bare name `kernels` belongs to another 
         " where the folder shadows the PyPI package of that name. Import it as specdec.kernels, and run"
         " from another directory or use the installed commands (specdec-demo, pytest)."
     )
+
+from specdec.kernels.compaction import gather_slots, gather_slots_reference
+from specdec.kernels.dispatch import backend_for, platform, triton_available, use_backend
+from specdec.kernels.markov import markov_sample, markov_sample_reference
+from specdec.kernels.norm_concat_linear import (fused_norm_concat_linear, norm_concat_linear,
+                                                norm_concat_linear_reference, rms_norm_params)
+from specdec.kernels.rejection import rejection_sample, rejection_sample_reference
+
+__all__ = ["backend_for", "platform", "triton_available", "use_backend",
+           "rejection_sample", "rejection_sample_reference",
+           "fused_norm_concat_linear", "norm_concat_linear", "norm_concat_linear_reference", "rms_norm_params",
+           "markov_sample", "markov_sample_reference",
+           "gather_slots", "gather_slots_reference"]

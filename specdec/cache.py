@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from specdec.kernels.compaction import gather_slots
+
 __all__ = ["RaggedCache", "BlockPlan", "ancestor_matrix"]
 
 
@@ -122,10 +124,8 @@ class RaggedCache:
         for layer in self.kv.layers:
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = layer.keys.gather(2, idx)
-            idx_v = order[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[-1])
-            layer.values = layer.values.gather(2, idx_v)
+            layer.keys = gather_slots(layer.keys, order)
+            layer.values = gather_slots(layer.values, order)
         self.valid = self.valid.gather(1, order)
         self.slot_pos = self.slot_pos.gather(1, order)
 

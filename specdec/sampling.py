@@ -141,6 +141,26 @@ class RowSampling:
             u[b, :c], u_final[b] = draw[:c], draw[c]
         return u.to(self.device), u_final.to(self.device)
 
+    def verify_noise(self, proposal: DraftProposal, vocab_size: int) -> tuple[Tensor, Tensor]:
+        """The random numbers of the exponential-race verifier, from each row's verifier
+        generator: one uniform per valid node, then one seed for the row's ``Exp(1)`` noise over
+        the vocabulary, drawn on the device by a generator seeded with it (``V`` numbers per row
+        would be slow to draw on the host). Greedy rows draw nothing and get noise 1 (their race
+        is an argmax). Counts depend on the row alone, so a row never depends on its batch.
+        Returns (u [B, n] float32, noise [B, V] float32)."""
+        assert proposal.num_valid is not None
+        B, n = proposal.tokens.shape
+        u = torch.zeros(B, n, dtype=torch.float64)
+        noise = torch.ones(B, vocab_size, dtype=torch.float32, device=self.device)
+        greedy = (self.temperature == 0).tolist()
+        for b, (g, c) in enumerate(zip(self._verify, proposal.num_valid.tolist())):
+            if greedy[b]:
+                continue
+            u[b, :c] = torch.rand(c, generator=g, dtype=torch.float64)
+            seed = int(torch.randint(0, 2**62, (1,), generator=g))
+            noise[b].exponential_(generator=torch.Generator(device=self.device).manual_seed(seed))
+        return u.float().to(self.device), noise
+
     def draft_uniform(self, *shape: int) -> Tensor:
         """Uniforms in [0, 1) from each row's drafter generator. [B, *shape]"""
         return self._uniform(self._draft, shape)

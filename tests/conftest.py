@@ -14,6 +14,10 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+# Triton kernels run in Triton's CPU interpreter in the tests (tests/test_kernels.py). The flag
+# must be set before triton is first imported (transformers imports it when it is installed):
+# the helpers of triton.language are compiled-or-interpreted at import time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
 
 from specdec.drafters import DRAFTERS, DraftModelDrafter  # noqa: E402

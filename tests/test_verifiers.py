@@ -69,8 +69,10 @@ def _first_and_second(v, proposal) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return first, second, v.path[:, 0]
 
 
+@pytest.mark.parametrize("verifier", [RejectionVerifier(), RejectionVerifier(in_kernel_temperature=True)],
+                         ids=["warped_probs", "in_kernel_temperature"])
 @pytest.mark.parametrize("mode", ["chain", "iid", "without_replacement", "deterministic"])
-def test_rejection_sampling_is_exact(mode):
+def test_rejection_sampling_is_exact(mode, verifier):
     """Token 1 ~ p_root; token 2 given node j accepted ~ p_j. Trees: 3 root children."""
     g = torch.Generator().manual_seed(11)
     p = _random_dists(1, (V + 1,))  # p[0] at the root; p[1 + x] after root-child token x (see below)
@@ -104,7 +106,7 @@ def test_rejection_sampling_is_exact(mode):
         logits[:, j + 1] = p[1 + tokens[:, j]].log()
     proposal = DraftProposal(tokens, torch.tensor(parents).expand(N, n).clone(), None if mode == "deterministic" else q)
     rows = RowSampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)])
-    v = RejectionVerifier().verify(proposal, logits, rows)
+    v = verifier.verify(proposal, logits, rows)
     first, second, node = _first_and_second(v, proposal)
     pvals = [chi_square(torch.bincount(first, minlength=V), p[0])]
     for x in range(V):
@@ -123,3 +125,22 @@ def test_typical_acceptance_is_detectably_lossy():
     rows = RowSampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)])
     v = TypicalVerifier().verify(DraftProposal.chain(tokens), logits, rows)
     assert chi_square(torch.bincount(v.tokens[:, 0], minlength=V), p) < 1e-6
+
+
+def test_kernel_reference_accepts_exactly_as_the_walk_on_chains():
+    """Same uniforms, same acceptance decisions as the plain walk (only the emitted token's draw
+    changed, from inverse CDF to the exponential race)."""
+    from specdec.kernels import rejection_sample_reference
+    from specdec.verifiers.walk import walk
+
+    g = torch.Generator().manual_seed(3)
+    B, n = 200, 4
+    p = _random_dists(7, (B, n + 1))
+    q = (p[:, 1:].log() + torch.randn(B, n, V, generator=g)).softmax(-1)
+    tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, n)
+    proposal = DraftProposal.chain(tokens, q, num_valid=torch.randint(0, n + 1, (B,), generator=g))
+    u = torch.rand(B, n, generator=g)
+    ours = rejection_sample_reference(tokens, proposal.parents, proposal.num_valid, u,
+                                      torch.empty(B, V).exponential_(generator=g), q, probs=p)
+    theirs = walk(p, proposal, u.double(), torch.rand(B, dtype=torch.float64, generator=g))
+    assert torch.equal(ours.path, theirs.path) and 0 < int(ours.num_accepted.sum()) < B * n

@@ -1,6 +1,8 @@
 """Greedy verification: accept a node iff it is the target's argmax; emit the argmax after.
 
-Uses no random numbers. Lossless for temperature 0 only, so it refuses sampled requests.
+Uses no random numbers. Lossless for temperature 0 only, so it refuses sampled requests. The walk
+runs in :func:`specdec.kernels.rejection_sample` on the raw logits at temperature 0: the argmax
+is taken in the kernel and no probabilities are formed.
 """
 
 from __future__ import annotations
@@ -8,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from specdec.kernels.rejection import rejection_sample
 from specdec.sampling import RowSampling
 from specdec.types import DraftProposal, Verification
 from specdec.verifier import Verifier
-from specdec.verifiers.walk import walk
 
 __all__ = ["GreedyVerifier"]
 
@@ -25,6 +27,8 @@ class GreedyVerifier(Verifier):
             raise ValueError("the greedy verifier is lossless only at temperature 0; use 'rejection' for sampling")
 
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
-        p = torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        u = torch.zeros(logits.shape[0], proposal.n + 1, dtype=torch.float64, device=logits.device)
-        return walk(p, proposal, u[:, :-1], u[:, -1])
+        B = logits.shape[0]
+        u = torch.zeros(B, proposal.n, dtype=torch.float32, device=logits.device)
+        zero = torch.zeros(B, dtype=torch.float32, device=logits.device)
+        return rejection_sample(proposal.tokens, proposal.parents, proposal.num_valid, u, None, None,
+                                logits=logits, temperature=zero)

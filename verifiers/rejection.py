@@ -5,16 +5,24 @@ from norm(max(0, p - q)); if every draft is accepted emit a bonus token from p (
 al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318). Trees: recursive rejection
 sampling over each node's children (see :mod:`specdec.verifiers.walk`). p and q are both after
 the request's temperature / top-k / top-p; temperature-0 rows reduce to exact argmax matching.
+
+The walk runs in :func:`specdec.kernels.rejection_sample` (a fused Triton kernel on a GPU, its
+torch reference elsewhere); the emitted token is drawn by an exponential race. By default the
+target's probabilities come from :func:`specdec.sampling.warp`, exact for every sampling
+setting. ``in_kernel_temperature=True`` hands the kernel raw logits and temperatures instead
+when no row uses top-k or top-p, so the probabilities are never written to memory; it is the
+same distribution, but its normaliser is summed in the kernel's order, so it is not bit-for-bit
+the warped path, and which path a step takes depends on every row's settings.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
+from specdec.kernels.rejection import rejection_sample
 from specdec.sampling import RowSampling
 from specdec.types import DraftProposal, Verification
 from specdec.verifier import Verifier
-from specdec.verifiers.walk import walk
 
 __all__ = ["RejectionVerifier"]
 
@@ -23,7 +31,12 @@ class RejectionVerifier(Verifier):
     name = "rejection"
     lossless = True
 
+    def __init__(self, in_kernel_temperature: bool = False):
+        self.in_kernel_temperature = in_kernel_temperature
+
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
-        p = rows.probs(logits)
-        u, u_final = rows.verify_uniforms(proposal)
-        return walk(p, proposal, u, u_final)
+        u, noise = rows.verify_noise(proposal, logits.shape[-1])
+        args = (proposal.tokens, proposal.parents, proposal.num_valid, u, noise, proposal.q)
+        if self.in_kernel_temperature and not bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
+            return rejection_sample(*args, logits=logits, temperature=rows.temperature)
+        return rejection_sample(*args, probs=rows.probs(logits))

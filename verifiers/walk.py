@@ -1,4 +1,9 @@
-"""The tree walk every verifier shares.
+"""The tree walk, in plain torch: the readable statement of the rule every verifier follows.
+
+The typical verifier runs it as written. The rejection and greedy verifiers run the same walk in
+:mod:`specdec.kernels.rejection` (a fused kernel and its torch reference), which keeps the
+distribution unnormalised and draws the emitted token by an exponential race instead of the
+inverse CDF used here.
 
 Nodes are visited in index order (parents before children, siblings in the order they were
 drawn). A row tests node ``j`` only if ``j``'s parent is the row's current node. On acceptance

@@ -1,0 +1,105 @@
+"""Rejection-sampler benchmark: the Triton kernel against its torch reference, same inputs.
+
+For B ∈ {1, 8, 64}, k ∈ {3, 7, 15}, V ∈ {32k, 152k} (a chain; ``--mode`` picks warped probs with
+dense q, raw logits + temperature, or a deterministic draft): median time of each and the
+achieved bandwidth, counting the bytes of target scores and q (``B·(k+1)·V`` and ``B·k·V``
+float32s) over the time. That is what the torch reference reads; the kernel reads less when
+drafts are rejected early, so its figure is an effective bandwidth. Prints a markdown table and the
+backend, GPU, arch and autotune winner that ran.
+
+    .venv/bin/python experiments/bench_kernels.py            # on a GPU
+    TRITON_INTERPRET=1 .venv/bin/python experiments/bench_kernels.py --smoke   # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specdec.kernels import platform, rejection_sample, triton_available, use_backend
+from specdec.kernels.dispatch import interpreting
+from specdec.types import chain_parents
+
+
+def make_inputs(B: int, k: int, V: int, device: str, mode: str, seed: int = 0):
+    """Positional arguments and keyword arguments of one rejection_sample call, and the bytes of
+    target scores and q it must read at most."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(B, k + 1, V, device=device, generator=g)
+    q = (logits[:, 1:] + 0.5 * torch.randn(B, k, V, device=device, generator=g)).softmax(-1)
+    tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, k)
+    u = torch.rand(B, k, device=device, generator=g)
+    noise = torch.empty(B, V, device=device).exponential_(generator=g)
+    if mode == "deterministic":
+        q = None
+    args = (tokens, chain_parents(k, B, device), torch.full((B,), k, device=device), u, noise, q)
+    if mode == "logits":
+        kwargs = dict(logits=logits, temperature=torch.full((B,), 0.8, device=device))
+    else:
+        kwargs = dict(probs=logits.softmax(-1))
+    return args, kwargs, (logits.numel() + (q.numel() if q is not None else 0)) * 4
+
+
+def timed(fn, repeats: int, device: str) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (and autotuning)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): checks it runs")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--mode", choices=("probs", "logits", "deterministic"), default="probs",
+                    help="warped probabilities and dense q (default), raw logits + temperature, or q None")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    if args.smoke:
+        shapes, repeats = [(b, k, v) for b in (1, 2) for k in (1, 3) for v in (37,)], 1
+    else:
+        shapes, repeats = [(b, k, v) for b in (1, 8, 64) for k in (3, 7, 15) for v in (32_000, 152_064)], args.repeats
+    kernel = "triton" if triton_available() and (device == "cuda" or interpreting()) else None
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU)"
+    print(f"backend: kernel={kernel or 'unavailable'} vs torch reference; mode={args.mode}; device={device}; "
+          f"GPU={gpu}; platform={platform()}; interpreter={interpreting()}; torch={torch.__version__}")
+    print("\n| B | k | V | torch ms | torch GB/s | triton ms | triton GB/s | speed-up | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for B, k, V in shapes:
+        inputs, kw, nbytes = make_inputs(B, k, V, device, args.mode)
+        with use_backend("torch"):
+            ref = rejection_sample(*inputs, **kw)
+            t_ref = timed(lambda: rejection_sample(*inputs, **kw), repeats, device)
+        row = f"| {B} | {k} | {V} | {t_ref * 1e3:.3f} | {nbytes / t_ref / 1e9:.1f} |"
+        if kernel:
+            with use_backend("triton"):
+                ker = rejection_sample(*inputs, **kw)
+                t_ker = timed(lambda: rejection_sample(*inputs, **kw), repeats, device)
+            same = torch.equal(ref.tokens, ker.tokens)
+            row += f" {t_ker * 1e3:.3f} | {nbytes / t_ker / 1e9:.1f} | {t_ref / t_ker:.2f}× | {same} |"
+        else:
+            row += " – | – | – | – |"
+        print(row)
+    if kernel and not interpreting():
+        from specdec.kernels.rejection_triton import tuned_kernel
+        from specdec.kernels.tuning import describe
+
+        print(f"\nautotune winner (last shape): {describe(tuned_kernel())}")
+    else:
+        print("\nautotune: not run (interpreter or no kernel): one fixed small block")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""DSpark's Markov draft sampler: γ tokens in sequence, each biased by the one before.
+
+For ``k = 1..γ``: ``logits_k = U_k + W1[x_{k−1}] @ W2ᵀ`` (a rank-``r`` bigram bias: ``W1 [V, r]``
+are embedding rows, ``W2 [V, r]`` the weight of ``nn.Linear(r, V)``), then ``q_k = warp(logits_k,
+T)`` (temperature only) and ``x_k = sample_from(q_k, u_k)`` (inverse CDF, one uniform per
+position, as every drafter samples). ``x_0`` is the anchor (the last committed token). The
+returned ``q`` is exactly what each token was drawn from; temperature 0 gives the argmax with
+``q = None`` when every row is greedy (greedy rows among sampled ones get a one-hot q).
+
+The kernel runs one program per row and keeps everything but ``q`` on chip: per position one
+online-softmax pass, one pass that writes ``q`` and its float64 total, one inverse-CDF pass.
+Its integers equal the reference's except where a different summation order (the rank-``r``
+bias, the softmax normaliser, the CDF) moves a value across a uniform's boundary: probability
+~1e-7 per token. ``q`` agrees within ``atol = 1e-6``. Tests: ``tests/test_kernels.py``.
+
+Shapes: ``B`` rows, ``γ`` draft positions, ``V`` vocabulary, ``r`` Markov rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdec.kernels.dispatch import backend_for
+from specdec.sampling import sample_from, warp
+
+__all__ = ["markov_sample", "markov_sample_reference"]
+
+
+def _temperature(temperature: Tensor | float, B: int, device: torch.device) -> Tensor:
+    if isinstance(temperature, Tensor):
+        return temperature.float().to(device).expand(B).contiguous()
+    return torch.full((B,), float(temperature), device=device)
+
+
+def markov_sample_reference(U: Tensor, x0: Tensor, W1: Tensor, W2: Tensor, temperature: Tensor | float,
+                            u: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The specification. U [B, γ, V]; x0 [B]; W1, W2 [V, r]; temperature [B] or a float;
+    u [B, γ] uniforms. Returns (tokens [B, γ] int64, q [B, γ, V] float32 | None)."""
+    B, G, V = U.shape
+    t = _temperature(temperature, B, U.device)
+    all_greedy = bool((t == 0).all())
+    zeros, ones = torch.zeros(B, dtype=torch.long, device=U.device), torch.ones(B, device=U.device)
+    x = x0.long().clamp(0, V - 1)
+    tokens, qs = [], []
+    for k in range(G):
+        logits = U[:, k].float() + W1[x].float() @ W2.float().T  # [B, V]
+        if all_greedy:
+            x = logits.argmax(-1)
+        else:
+            q = warp(logits, t, zeros, ones)
+            x = sample_from(q, u[:, k])
+            qs.append(q)
+        tokens.append(x)
+    return torch.stack(tokens, 1), (None if all_greedy else torch.stack(qs, 1))
+
+
+def markov_sample(U: Tensor, x0: Tensor, W1: Tensor, W2: Tensor, temperature: Tensor | float,
+                  u: Tensor) -> tuple[Tensor, Tensor | None]:
+    """:func:`markov_sample_reference`, fused in one Triton kernel on a GPU."""
+    B, G, V = U.shape
+    if x0.shape != (B,) or u.shape != (B, G):
+        raise ValueError(f"x0 must be [{B}] and u [{B}, {G}], got {tuple(x0.shape)} and {tuple(u.shape)}")
+    if W1.dim() != 2 or W1.shape[0] != V or W2.shape != W1.shape:
+        raise ValueError(f"W1 and W2 must both be [V={V}, r], got {tuple(W1.shape)} and {tuple(W2.shape)}")
+    if backend_for(U) == "torch":
+        return markov_sample_reference(U, x0, W1, W2, temperature, u)
+    from specdec.kernels.markov_triton import markov_sample_triton
+
+    return markov_sample_triton(U, x0, W1, W2, _temperature(temperature, B, U.device), u)

@@ -1,0 +1,295 @@
+"""Every Triton kernel against its torch reference, in Triton's CPU interpreter, on tiny shapes;
+then a slice of the conformance suite with the kernel path forced on, so losslessness is shown
+through the kernels themselves. Skipped, with the reason, when triton is not installed.
+
+Integer outputs must be identical given the same random numbers; floats agree within the
+tolerances each kernel module states. Vocabularies are not multiples of the interpreter's block.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # conftest sets it first: it must precede triton's import
+pytest.importorskip("triton", reason="triton is not installed (pip install 'specdec[triton]'); CI installs it")
+
+import specdec  # noqa: E402
+from specdec import SamplingParams  # noqa: E402
+from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
+                             use_backend)
+from specdec.kernels.dispatch import backend_for  # noqa: E402
+from specdec.loop import Request, run  # noqa: E402
+from specdec.testing import RandomDrafter, assert_greedy_equivalent, greedy_reference, sampled_gof  # noqa: E402
+from specdec.types import chain_parents  # noqa: E402
+from specdec.verifiers import GreedyVerifier, RejectionVerifier  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="these tests run Triton's interpreter on CPU tensors")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def both(fn, *args, **kwargs):
+    """(reference output, kernel output) of one call."""
+    with use_backend("torch"):
+        ref = fn(*args, **kwargs)
+    with use_backend("triton"):
+        ker = fn(*args, **kwargs)
+    return ref, ker
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+def test_dispatch_defaults_to_torch_on_cpu_and_obeys_overrides(monkeypatch):
+    x = torch.zeros(2)
+    assert backend_for(x) == "torch"
+    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
+    assert backend_for(x) == "triton"
+    with use_backend("torch"):
+        assert backend_for(x) == "torch"
+    monkeypatch.setenv("SPECDEC_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="SPECDEC_KERNELS"):
+        backend_for(x)
+
+
+# --- rejection sampler --------------------------------------------------------------------------
+def _draft(B, n, V, dense, seed, tree=False, agree=0.0):
+    """Target logits and a draft. ``agree`` pulls the draft towards the target (more acceptance)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, n + 1, V, generator=g) * 2
+    draft_logits = agree * logits[:, 1:] + torch.randn(B, n, V, generator=g)
+    # tree: two root children, each with two children, then one more root child (drawn last)
+    parents = torch.tensor([[-1, -1, 0, 0, 1, -1][:n]] * B) if tree else chain_parents(n, B)
+    if dense:
+        q = draft_logits.softmax(-1)
+        tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, n)
+    else:
+        q = None
+        tokens = torch.where(torch.rand(B, n, generator=g) < agree, logits[:, :-1].argmax(-1),
+                             torch.randint(0, V, (B, n), generator=g))
+    num_valid = torch.randint(0, n + 1, (B,), generator=g)
+    num_valid[0] = n
+    u = torch.rand(B, n, generator=g)
+    noise = torch.empty(B, V).exponential_(generator=g)
+    return logits, q, tokens, parents, num_valid, u, noise
+
+
+def _same(a, b):
+    assert torch.equal(a.tokens, b.tokens), (a.tokens, b.tokens)
+    assert torch.equal(a.path, b.path) and torch.equal(a.num_accepted, b.num_accepted)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("dense", [False, True], ids=["deterministic", "dense_q"])
+@pytest.mark.parametrize("mode", ["probs", "logits"])
+def test_rejection_kernel_equals_reference(mode, dense, tree):
+    for seed, agree in ((0, 0.0), (1, 3.0), (2, 30.0)):
+        logits, q, tokens, parents, nv, u, noise = _draft(6, 6 if tree else 4, 37, dense, seed, tree, agree)
+        temperature = torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 2.0])
+        kw = dict(probs=logits.softmax(-1)) if mode == "probs" else dict(logits=logits, temperature=temperature)
+        _same(*both(rejection_sample, tokens, parents, nv, u, noise, q, **kw))
+
+
+def test_rejection_kernel_edge_cases():
+    logits, q, tokens, parents, _, u, noise = _draft(3, 1, 19, True, 5)
+    p = logits.softmax(-1)
+    for nv in (torch.tensor([1, 0, 1]), torch.tensor([0, 0, 0])):  # k = 1, padding rows
+        ref, ker = both(rejection_sample, tokens, parents, nv, u, noise, q, probs=p)
+        _same(ref, ker)
+        assert (ker.num_accepted <= nv).all()
+    # all accepted: the draft is the target; none accepted: the draft has no target mass
+    n, V = 5, 23
+    target = torch.randn(2, n + 1, V).softmax(-1)
+    toks = target[:, :-1].argmax(-1)
+    ref, ker = both(rejection_sample, toks, chain_parents(n, 2), torch.full((2,), n), torch.rand(2, n),
+                    torch.empty(2, V).exponential_(), target[:, :-1].clone(), probs=target)
+    _same(ref, ker)
+    assert ker.num_accepted.tolist() == [n, n]
+    target[:, :, 0] = 0
+    ref, ker = both(rejection_sample, torch.zeros_like(toks), chain_parents(n, 2), torch.full((2,), n),
+                    torch.rand(2, n), torch.empty(2, V).exponential_(), None, probs=target / target.sum(-1, True))
+    _same(ref, ker)
+    assert ker.num_accepted.tolist() == [0, 0] and (ker.tokens[:, 0] != 0).all()
+
+
+def test_rejection_kernel_logits_with_masked_blocks():
+    """Logits at −inf (suppressed tokens), a whole interpreter block of them first: no NaN."""
+    logits, q, tokens, parents, nv, u, noise = _draft(3, 3, 37, True, 11)
+    logits[..., :20] = float("-inf")
+    q = q.clone()
+    q[..., :20] = 0
+    q = q / q.sum(-1, keepdim=True)
+    tokens = tokens.clamp(min=20)
+    ref, ker = both(rejection_sample, tokens, parents, nv, u, noise, q, logits=logits,
+                    temperature=torch.tensor([1.0, 0.0, 0.5]))
+    _same(ref, ker)
+    assert (ker.tokens.gather(1, ker.num_accepted.unsqueeze(1)) >= 20).all()
+
+
+def test_rejection_kernel_clamps_token_ids():
+    """An out-of-range draft id is read clamped, never out of bounds; every emitted id is in range."""
+    logits, _, tokens, parents, nv, u, noise = _draft(2, 3, 11, False, 7, agree=30.0)
+    tokens[0, 0], tokens[1, 0] = 10_000, -5
+    ref, ker = both(rejection_sample, tokens, parents, nv, u, noise, None, probs=logits.softmax(-1))
+    _same(ref, ker)
+    emitted = ker.tokens[ker.tokens >= 0]
+    assert (emitted < 11).all()
+
+
+def test_exponential_race_samples_the_distribution():
+    """The race picks i with probability r_i / Σr (χ² on the reference; the kernel equals it)."""
+    from specdec.kernels.rejection import race
+    from specdec.testing import chi_square
+
+    r = torch.tensor([0.0, 3.0, 1.0, 0.5, 0.0, 2.5])
+    g = torch.Generator().manual_seed(0)
+    draws = race(r.expand(20000, -1), torch.empty(20000, 6).exponential_(generator=g))
+    assert chi_square(torch.bincount(draws, minlength=6), r) > 1e-3
+
+
+# --- fused draft input ----------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_norm_concat_linear_kernel_matches_reference(dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, 3, d, generator=g).to(dtype) for d in (24, 20, 9))
+    wa, wb = torch.randn(24, generator=g).to(dtype), torch.randn(20, generator=g).to(dtype)
+    W = (torch.randn(37, 53, generator=g) * 0.1).to(dtype)
+    bias = torch.randn(37, generator=g).to(dtype)
+    cases = [([a, b], [wa, wb], W[:, :44], None),  # MTP's eh_proj
+             ([a, b, c], [None, None, None], W, bias),  # EAGLE-3's fc: no norms
+             ([a, b], [wa, None], W[:, :44], None)]
+    for xs, nws, w, bb in cases:
+        ref, ker = both(norm_concat_linear, xs, nws, w, 1e-6, bb)
+        assert ker.shape == ref.shape == (2, 3, 37) and ker.dtype == ref.dtype
+        torch.testing.assert_close(ker.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_mtp_draft_input_is_the_fused_function():
+    """The MTP module's draft input equals eh_proj(cat[enorm, hnorm]), through either path."""
+    from specdec.drafters.mtp import build_mtp_modules
+    from specdec.tiny import tiny_model
+
+    module = build_mtp_modules(tiny_model("deepseek_v3", vocab_size=48, seed=3), 1)[0]
+    e, h = torch.randn(2, 3, module.eh_proj.in_features // 2), torch.randn(2, 3, module.eh_proj.in_features // 2)
+    expected = module.eh_proj(torch.cat([module.enorm(e), module.hnorm(h)], -1))
+    ref, ker = both(module.draft_input, e, h)
+    assert torch.equal(ref, expected)
+    torch.testing.assert_close(ker, expected, atol=1e-4, rtol=1e-4)
+
+
+# --- DSpark's Markov sampler -------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 0.0, "mixed"])
+def test_markov_kernel_matches_reference(temperature):
+    g = torch.Generator().manual_seed(1)
+    B, G, V, r = 3, 4, 29, 5
+    U = torch.randn(B, G, V, generator=g) * 2
+    W1, W2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g) * 0.5
+    x0, u = torch.randint(0, V, (B,), generator=g), torch.rand(B, G, generator=g, dtype=torch.float64)
+    t = torch.tensor([1.0, 0.0, 0.8]) if temperature == "mixed" else temperature
+    (ref, q_ref), (ker, q_ker) = both(markov_sample, U, x0, W1, W2, t, u)
+    assert torch.equal(ref, ker) and ((ker >= 0) & (ker < V)).all()
+    if temperature == 0.0:
+        assert q_ref is None and q_ker is None
+    else:
+        torch.testing.assert_close(q_ker, q_ref, atol=1e-6, rtol=1e-5)
+        assert torch.equal(q_ker.gather(2, ker.unsqueeze(2)) > 0, torch.ones(B, G, 1, dtype=torch.bool))
+
+
+# --- KV compaction -----------------------------------------------------------------------------
+def test_gather_slots_kernel_equals_reference():
+    x = torch.randn(2, 3, 11, 12)[..., :10]  # a strided view, as cache layers can be
+    order = torch.tensor([[0, 3, 4, 9, 10, 1, 2], [5, 6, 7, 8, 0, 0, 0]])
+    ref, ker = both(gather_slots, x, order)
+    assert torch.equal(ref, ker)
+
+
+# --- the conformance suite through the kernels ----------------------------------------------------
+_spec = importlib.util.spec_from_file_location("conformance_through_kernels", ROOT / "tests" / "test_conformance.py")
+conformance = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conformance)
+
+
+@pytest.fixture
+def kernels_on():
+    with use_backend("triton"):
+        yield
+
+
+DRAFTERS = {
+    "draft_model": lambda t: specdec.drafters.DRAFTERS["draft_model"].tiny(t),
+    "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
+    "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
+    "random[tree,deterministic]": lambda t: RandomDrafter.create(t, siblings="deterministic", branching=[2, 2]),
+}
+
+
+@pytest.mark.parametrize("verifier", [GreedyVerifier, RejectionVerifier], ids=["greedy", "rejection"])
+@pytest.mark.parametrize("case", ["draft_model", "random[tree,deterministic]"])
+def test_greedy_equivalence_through_kernels(kernels_on, target, case, verifier):
+    drafter = DRAFTERS[case](target)
+    prompts, n = [[1, 2, 3, 4], [7, 7]], 8
+    res = run(target, drafter, verifier(), [Request(p, n) for p in prompts], k=3, eos_token_ids=set())
+    for p, r in zip(prompts, res.requests):
+        ref, logits = greedy_reference(target.model, p, n)
+        assert_greedy_equivalent(r.tokens, ref, logits)
+
+
+@pytest.mark.parametrize("case,sampling,verifier", [
+    ("random[chain,iid]", SamplingParams(temperature=1.0), RejectionVerifier(in_kernel_temperature=True)),
+    ("random[tree,iid]", SamplingParams(temperature=0.7, top_k=5), RejectionVerifier()),
+], ids=["chain-t1-in_kernel_temperature", "tree-t0.7-topk5-warped_probs"])
+def test_sampled_matches_target_distribution_through_kernels(kernels_on, target, case, sampling, verifier):
+    """Small samples (the interpreter runs one program per row): weak power, but any systematic
+    error of the kernel path (a wrong residual, an off-by-one race) fails at these sizes."""
+    r = sampled_gof(target, DRAFTERS[case](target), verifier, conformance.PROMPT, sampling, n_samples=400,
+                    positions=2, min_group=100, batch=400)
+    assert r.pvalues, "no conditional test: the test would prove nothing"
+    worst = min(zip(r.pvalues, r.tests))
+    assert worst[0] > conformance.ALPHA / (len(r.pvalues) * 2), f"not the target's distribution: {worst}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_do_not_depend_on_their_batch_through_kernels(kernels_on, target, temperature):
+    case = ("random[tree,iid]", DRAFTERS["random[tree,iid]"](target))
+    conformance.test_rows_do_not_depend_on_their_batch(case, target, temperature)
+
+
+def test_edge_cases_through_kernels(kernels_on, target):
+    conformance.test_all_accepted_and_none_accepted(target)
+    conformance.test_num_valid_shorter_than_n(target)
+    conformance.test_k_equals_one(("draft_model", DRAFTERS["draft_model"](target)), target)
+
+
+def test_kv_compaction_through_kernels(kernels_on, target):
+    """Trees compact the cache through the gather kernel; decoding stays the target's greedy."""
+    drafter = DRAFTERS["random[tree,deterministic]"](target)
+    res = run(target, drafter, GreedyVerifier(), [Request([3, 1, 4], 10), Request([2, 7], 10)], k=3,
+              eos_token_ids=set(), compact_at=0.0)
+    for p, r in zip([[3, 1, 4], [2, 7]], res.requests):
+        ref, logits = greedy_reference(target.model, p, 10)
+        assert_greedy_equivalent(r.tokens, ref, logits)
+
+
+# --- the benchmark script -------------------------------------------------------------------------
+def test_benchmark_smoke_runs():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"), "--smoke"], env=env,
+                         cwd=ROOT / "experiments", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "| B |" in out.stdout and "backend" in out.stdout
+
+
+def test_kernels_compile_for_mi300x_without_a_gpu():
+    """Triton compiles ahead of time for a named target: every kernel type-checks, lowers and
+    assembles for gfx942 with its AMD tuning knobs (the interpreter alone would not catch a
+    kernel that only fails to compile). ``experiments/compile_kernels.py`` does all targets."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "compile_kernels.py"), "--quick",
+                          "--targets", "gfx942"], env={**env, "TRITON_DEFAULT_FP_FUSION": "1"},
+                         cwd=ROOT / "experiments", capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "all compiled" in out.stdout, out.stdout + out.stderr[-3000:]
