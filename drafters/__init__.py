@@ -6,6 +6,9 @@
 | ``draft_model`` | nothing (own LM, same vocabulary) | ``k`` sequential samples, exact q |
 | ``gemma_mtp`` | post-norm final hidden, the target's KV cache | Gemma-4 assistant: Q-only layers on the target's K/V, ``k`` steps at one position |
 | ``mtp`` | post-norm final hidden state | DeepSeek-V3 MTP/NextN modules, reused past their depth; chain (exact q) or top-k tree |
+| ``eagle3`` | inputs of 3 target layers (embedding shared) | EAGLE-3 head, reduced vocabulary; chain (exact q), static tree (sampled without replacement) or EAGLE-2 dynamic tree |
+| ``dflash`` | m layer outputs (context K/V), embeddings, LM head | one non-causal block pass: ``k`` drafts, independent given the block (exact q) |
+| ``dspark`` | as ``dflash`` | one block pass (the anchor predicts too) + Markov-corrected left-to-right sampling (exact q); confidences for the prefix scheduler |
 """
 
 if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to another PyPI package
@@ -17,7 +20,10 @@ if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to anothe
     )
 
 from specdec.drafter import Drafter
+from specdec.drafters.dflash import DFlashDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.eagle3 import Eagle3Drafter
+from specdec.drafters.dspark import DSparkDrafter
 from specdec.drafters.gemma_mtp import GemmaMTPDrafter
 from specdec.drafters.mtp import MTPDrafter
 from specdec.drafters.ngram import NgramDrafter
@@ -27,6 +33,10 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "draft_model": DraftModelDrafter,
     "gemma_mtp": GemmaMTPDrafter,
     "mtp": MTPDrafter,
+    "eagle3": Eagle3Drafter,
+    "dflash": DFlashDrafter,
+    "dspark": DSparkDrafter,
 }
 
-__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter"]
+__all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter", "Eagle3Drafter", "DFlashDrafter",
+           "DSparkDrafter"]

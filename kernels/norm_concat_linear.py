@@ -63,7 +63,9 @@ def norm_concat_linear(xs: Sequence[Tensor], norm_weights: Sequence[Tensor | Non
                        eps: float = 1e-6, bias: Tensor | None = None) -> Tensor:
     """``Linear(cat[rmsnorm(x_i)·w_i])`` for 1–3 inputs, each norm optional (``None``)."""
     _check(xs, norm_weights, weight)
-    if backend_for(*xs, weight) == "torch":
+    # the Triton kernel has no backward: anything autograd tracks (training) takes the reference
+    tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*xs, *norm_weights, weight))
+    if tracked or backend_for(*xs, weight) == "torch":
         return norm_concat_linear_reference(xs, norm_weights, weight, eps, bias)
     from specdec.kernels.norm_concat_linear_triton import norm_concat_linear_triton
 

@@ -159,12 +159,12 @@ def _hf_method(target: Target, kind: str, k: int, eos: set[int], drafter: Drafte
         model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L + i}\..*" for i in range(D)]
         extra = {"use_mtp": True}
     elif kind == "dflash":
-        from specdec.drafters import DRAFTERS
+        if drafter_name != "dflash" or drafter is None:
+            raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
+        from specdec.drafters.dflash_hf import to_transformers
 
-        if HF_METHODS[kind] not in DRAFTERS:
-            raise NotImplementedError("hf_compare 'dflash' (transformers' DFlash candidate generator) waits for the"
-                                      " 'dflash' drafter, to run the same weights on both sides")
-        raise NotImplementedError("hf_compare 'dflash' is not wired up yet")
+        # transformers' DFlashTokenCandidateGenerator drafts a whole block (block_size - 1 tokens)
+        extra = {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}  # type: ignore[arg-type]
     # ignore_eos: an id the model never produces (transformers needs some eos or pad to be set)
     eos_ids = sorted(eos) if eos else None
 

@@ -25,7 +25,7 @@ HF_METHODS = {
     "prompt_lookup": "ngram",  # prompt_lookup_num_tokens=k
     "assistant": "draft_model",  # assistant_model=<the same draft weights>
     "mtp": "mtp",  # use_mtp=True (waits for the mtp drafter)
-    "dflash": "dflash",  # transformers' DFlash candidate generator (waits for the dflash drafter)
+    "dflash": "dflash",  # transformers' DFlash candidate generator on the dflash drafter's weights
 }
 
 

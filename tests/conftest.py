@@ -36,6 +36,11 @@ CASES = {f"{name}[tiny]": _registry_case(name) for name in DRAFTERS}
 CASES.update({
     "draft_model[self]": lambda t: DraftModelDrafter.create(t, model=t.model),
     "gemma_mtp[ordered_embeddings]": lambda t: DRAFTERS["gemma_mtp"].tiny(t, use_ordered_embeddings=True),
+    "dflash[greedy_draft]": lambda t: DRAFTERS["dflash"].tiny(t, greedy_draft=True),
+    "dspark[gated]": lambda t: DRAFTERS["dspark"].tiny(t, markov_head_type="gated"),
+    "dspark[rnn]": lambda t: DRAFTERS["dspark"].tiny(t, markov_head_type="rnn"),
+    "eagle3[static_tree]": lambda t: DRAFTERS["eagle3"].tiny(t, tree="static"),
+    "eagle3[dynamic_tree]": lambda t: DRAFTERS["eagle3"].tiny(t, tree="dynamic", tree_top_k=3, tree_budget=10),
     "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
     "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
     "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),

@@ -187,11 +187,18 @@ def test_assistant_model_runs_the_draft_model_weights(target):
     assert res.tokens("hf_assistant") == res.tokens("hf_generate") == res.tokens("spec")
 
 
-def test_transformers_columns_waiting_for_their_drafter_say_so(target):
-    with pytest.raises(NotImplementedError, match="dflash"):
+def test_transformers_columns_that_need_a_drafter_say_so(target):
+    with pytest.raises(ValueError, match="drafter=dflash"):  # it runs the dflash drafter's weights
         run_experiment(_tiny_cfg(hf_compare=["dflash"]), target=target)
     with pytest.raises(ValueError, match="draft_model"):
         run_experiment(_tiny_cfg(hf_compare=["assistant"]), target=target)
+
+
+def test_transformers_dflash_runs_the_same_dflash_weights(target):
+    res = run_experiment(_tiny_cfg(drafter=DrafterConfig("dflash"), num_speculative_tokens=3,
+                                   hf_compare=["generate", "dflash"]), target=target)
+    assert res.tokens("hf_dflash") == res.tokens("hf_generate") == res.tokens("spec") == res.tokens("ar")
+    assert res.summary["hf_dflash"]["baseline"] == "hf_generate"
 
 
 def test_transformers_use_mtp_runs_the_same_mtp_checkpoint():

@@ -1,0 +1,200 @@
+"""DFlash: block-parallel drafting from the target's own features (z-lab, 2026).
+
+Each step drafts a whole block in **one** forward of a small network
+(:class:`~specdec.drafters.dflash_model.BlockDraftModel`): the block ``[anchor, MASK × k]`` at
+positions ``P..P+k`` (``P`` = the anchor's position, the target's last sampled token) attends
+non-causally to itself and to context K/V built from the target's layer outputs at every
+committed token. Output position ``j ≥ 1`` drafts the token at ``P + j``, so a block of ``b``
+gives ``b − 1`` drafts. Embeddings and LM head are the target's.
+
+Draft positions are independent given the block, so sampling draws each from its own warped
+softmax and ``q_j`` is exactly that distribution; greedy drafting returns the argmaxes with
+``q = None``. A model trained at block ``b`` runs at any ``k`` (smaller is exact to training;
+larger drafts positions it never learned).
+
+The context K/V cache (:class:`~specdec.drafters.dflash_model.ContextKV`) is extended at the next
+propose with the features of the tokens committed since (the anchor and accepted drafts); rejected
+drafts never enter it, so nothing has to be evicted.
+
+``mask_token_id``: the token whose embedding fills the masked slots. Qwen3 drafters use the added
+``<|MASK|>``; SmolLM2 has none, so its drafters use ``<empty_output>`` (id 16), a Jupyter-notebook
+marker the chat model never emits (recorded in the checkpoint config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdec.drafter import Drafter
+from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel, ContextKV, build_target_layer_ids
+from specdec.sampling import RowSampling, sample_from
+from specdec.target import Target, layer_output_ids
+from specdec.types import Committed, DraftProposal, Requirements
+
+__all__ = ["BlockDrafter", "BlockState", "DFlashDrafter", "tiny_block_config"]
+
+
+@dataclass
+class BlockState:
+    anchors: Tensor  # [B] next token per row (sampled by the target, not yet committed)
+    pending: list[Tensor]  # per row: target features [n, m·D] of committed tokens not yet in the cache
+    cache: ContextKV
+    extra: dict[str, Any] = field(default_factory=dict)  # per-drafter extras (DSpark: last confidences)
+
+
+def tiny_block_config(target: Target, **overrides: Any) -> BlockDraftConfig:
+    """A small config matching ``target`` (random weights for tests)."""
+    L = target.num_layers
+    n_feat = overrides.pop("num_target_features", 2)
+    # tiny targets are too shallow for DFlash's spacing: the embeddings (-1) and the first layers
+    ids = build_target_layer_ids(L, n_feat) if L >= 5 else list(range(-1, min(n_feat, L) - 1))
+    base: dict[str, Any] = dict(
+        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
+        num_target_layers=L, target_layer_ids=ids,
+        mask_token_id=target.vocab_size - 1, block_size=5,
+        rope_parameters=dict(getattr(target.text_config, "rope_parameters", None)
+                             or {"rope_type": "default", "rope_theta": 10000.0}),
+        rms_norm_eps=float(getattr(target.text_config, "rms_norm_eps", 1e-6)))
+    base.update(overrides)
+    return BlockDraftConfig(**base)
+
+
+class BlockDrafter(Drafter):
+    """What DFlash and DSpark share: binding, the context cache, one block forward."""
+
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.greedy_draft = greedy_draft
+        self.hidden_ids = layer_output_ids(self.cfg.target_layer_ids)
+
+    # --- binding ------------------------------------------------------------------------------
+    def requirements(self) -> Requirements:
+        return Requirements(layer_inputs=self.hidden_ids)
+
+    def bind(self, target: Target) -> None:
+        cfg = self.cfg
+        if cfg.hidden_size != target.hidden_size:
+            raise ValueError(f"{self.name} draft hidden size {cfg.hidden_size} != target hidden size {target.hidden_size}"
+                             " (the draft reads the target's embeddings and LM head)")
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"{self.name} vocabulary {cfg.vocab_size} != target vocabulary {target.vocab_size}")
+        if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
+            raise ValueError(f"{self.name} was built for a {cfg.num_target_layers}-layer target,"
+                             f" this one has {target.num_layers}")
+        cfg.check_target(target.num_layers)
+        self.model.to(device=target.device, dtype=target.dtype)
+        super().bind(target)
+
+    # --- the contract -------------------------------------------------------------------------
+    def start(self, prefill: Committed, rows: RowSampling) -> BlockState:
+        feats = self._features(prefill)
+        pending = [feats[b, :n] for b, n in enumerate(prefill.num_tokens.tolist())]
+        cache = ContextKV(len(pending), len(self.model.layers), self.target.device, self.target.dtype)
+        return BlockState(prefill.next_tokens.clone(), pending, cache)
+
+    def observe(self, state: BlockState, committed: Committed) -> None:
+        feats = self._features(committed)
+        for b, n in enumerate(committed.num_tokens.tolist()):
+            state.pending[b] = torch.cat([state.pending[b], feats[b, :n]])
+        state.anchors = committed.next_tokens.clone()
+
+    def select_rows(self, state: BlockState, rows: Tensor) -> None:
+        idx = rows.tolist()
+        state.anchors = state.anchors[rows.to(state.anchors.device)]
+        state.pending[:] = [state.pending[i] for i in idx]
+        state.cache.select_rows(rows.to(state.cache.valid.device))
+        for key, value in list(state.extra.items()):
+            if isinstance(value, Tensor):
+                state.extra[key] = value[rows.to(value.device)]
+
+    def _features(self, committed: Committed) -> Tensor:
+        """The drafter's context features at the committed tokens: [B, m, n·D]."""
+        missing = [i for i in self.hidden_ids if i not in committed.hidden]
+        if missing:
+            raise ValueError(f"the target did not hand out layer inputs {missing}: was {self.name} bound to it?")
+        return torch.cat([committed.hidden[i] for i in self.hidden_ids], dim=-1)
+
+    @torch.inference_mode()
+    def extend_context(self, state: BlockState) -> None:
+        """Move the pending features into the context cache (one projection for all rows)."""
+        counts = torch.tensor([p.shape[0] for p in state.pending], device=self.target.device)
+        n = int(counts.max()) if counts.numel() else 0
+        if n == 0:
+            return
+        B, F = len(state.pending), state.pending[0].shape[-1]
+        feats = torch.zeros(B, n, F, dtype=self.target.dtype, device=self.target.device)
+        for b, p in enumerate(state.pending):
+            feats[b, : p.shape[0]] = p
+        positions = state.cache.lengths.unsqueeze(1) + torch.arange(n, device=counts.device)
+        ctx = self.model.project_context(feats)
+        state.cache.append(self.model.context_kv(ctx, positions), counts)
+        state.pending[:] = [p[:0] for p in state.pending]
+
+    @torch.inference_mode()
+    def block_hidden(self, state: BlockState, length: int) -> Tensor:
+        """One forward of the block ``[anchor, MASK × (length−1)]``: final hidden [B, length, D]."""
+        self.extend_context(state)
+        B, dev = state.anchors.shape[0], self.target.device
+        tokens = torch.full((B, length), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        tokens[:, 0] = state.anchors
+        positions = state.cache.lengths.unsqueeze(1) + torch.arange(length, device=dev)
+        block = self.target.embed_tokens(tokens)
+        mask = torch.cat([state.cache.valid, torch.ones(B, length, dtype=torch.bool, device=dev)], 1)
+        mask = mask[:, None, None, :].expand(B, 1, length, mask.shape[1])
+        kv = [state.cache.layer(i) for i in range(len(self.model.layers))] if state.cache.keys[0] is not None \
+            else [(block.new_zeros(B, self.cfg.num_key_value_heads, 0, self.cfg.head_dim),) * 2
+                  for _ in self.model.layers]
+        return self.model(block, positions, kv, mask)
+
+    @classmethod
+    def _load(cls, options: dict[str, Any]) -> BlockDraftModel:
+        from specdec.drafters.dflash_checkpoint import load_block_draft
+
+        model = options.pop("model", None)
+        if model is not None:
+            return model
+        path = options.pop("checkpoint", None)
+        if not path or not Path(path).is_dir():
+            raise ValueError(f"{cls.name} needs `checkpoint`, a local folder (z-lab, speculators or DeepSpec"
+                             f" layout), or `model`; got {path!r}")
+        return load_block_draft(path)
+
+
+class DFlashDrafter(BlockDrafter):
+    name = "dflash"
+
+    @classmethod
+    def create(cls, target: Target, **options: Any) -> DFlashDrafter:
+        """``checkpoint`` (a folder) or ``model`` (a :class:`BlockDraftModel`); ``greedy_draft``."""
+        model = cls._load(options)
+        d = cls(model, **options)
+        d.bind(target)
+        return d
+
+    @classmethod
+    def tiny(cls, target: Target, **overrides: Any) -> DFlashDrafter:
+        seed, greedy = overrides.pop("seed", 1), overrides.pop("greedy_draft", False)
+        std = overrides.pop("init_std", 0.3)
+        overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
+        torch.manual_seed(seed)
+        model = BlockDraftModel(tiny_block_config(target, **overrides))
+        model.init_weights(std)
+        d = cls(model, greedy_draft=greedy)
+        d.bind(target)
+        return d
+
+    @torch.inference_mode()
+    def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
+        hidden = self.block_hidden(state, k + 1)[:, 1:]  # position j drafts the token at P + j
+        logits = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
+        if self.greedy_draft or rows.all_greedy:
+            return DraftProposal.chain(logits.argmax(-1))
+        q = rows.probs(logits)
+        return DraftProposal.chain(sample_from(q, rows.draft_uniform(k)), q)

@@ -1,0 +1,168 @@
+"""Reading and writing block-draft checkpoints (DFlash, DSpark) in the published layouts.
+
+All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k,v,o}_proj``,
+``q_norm``, ``k_norm``, ``mlp.{gate,up,down}_proj``, ``input_layernorm``,
+``post_attention_layernorm``, ``fc``, ``hidden_norm``, ``norm``); they differ in ``config.json``:
+
+- **z-lab** (``architectures: ["DFlashDraftModel"]``): the draft's transformer fields at top level,
+  ``block_size``, ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``
+  (older files put the last two at top level). Written by :func:`save_block_draft` for DFlash.
+- **speculators** (``speculators_model_type: "dflash" | "dspark"``): the transformer fields under
+  ``transformer_layer_config``, ids in ``aux_hidden_state_layer_ids``, ``mask_token_id``,
+  ``block_size``, and ``sample_from_anchor`` (the anchor drafts too, as DSpark). A reduced draft
+  vocabulary (a smaller LM head with ``d2t``) is not supported; a ``t2d`` mask over the full
+  vocabulary is read as the draft vocabulary.
+- **DeepSpec** (``architectures: ["Qwen3DSparkModel"]``): a copy of the target's config plus
+  ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``markov_rank``, ``markov_head_type``,
+  ``enable_confidence_head``, ``confidence_head_with_markov``; weights add
+  ``markov_head.markov_w{1,2}.weight`` and ``confidence_head.proj.*``. DFlash checkpoints of
+  DeepSpec are the same with ``markov_rank: 0`` and no confidence head. Written for DSpark.
+
+Embeddings and LM head, when a file carries them, are skipped: the target's are used. An
+optional ``t2d`` tensor ([V] bool) restricts drafts to a draft vocabulary
+(:meth:`~specdec.drafters.dflash_model.BlockDraftModel.set_draft_vocab`). Weights are read with
+safetensors only; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel
+
+__all__ = ["config_from_dict", "load_block_draft", "save_block_draft", "LAYOUTS"]
+
+LAYOUTS = ("zlab", "speculators", "deepspec")
+_SKIP = ("embed_tokens.", "lm_head.", "verifier_", "d2t")
+_ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+
+
+def _rope(c: dict[str, Any]) -> dict[str, Any]:
+    if c.get("rope_parameters"):
+        return dict(c["rope_parameters"])
+    rope = dict(c.get("rope_scaling") or {"rope_type": "default"})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope["rope_theta"] = float(c.get("rope_theta", 10000.0))
+    return rope
+
+
+def _arch(c: dict[str, Any]) -> dict[str, Any]:
+    out = {k: c[k] for k in _ARCH_FIELDS if c.get(k) is not None}
+    out.setdefault("num_key_value_heads", c["num_attention_heads"])
+    out.setdefault("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    out["rope_parameters"] = _rope(c)
+    return out
+
+
+def detect_layout(c: dict[str, Any]) -> str:
+    if c.get("speculators_model_type") in ("dflash", "dspark"):
+        return "speculators"
+    archs = " ".join(c.get("architectures") or [])
+    if "DSpark" in archs or "markov_rank" in c:
+        return "deepspec"
+    if "DFlash" in archs or "dflash_config" in c or "target_layer_ids" in c:
+        return "zlab"
+    raise ValueError(f"not a DFlash/DSpark checkpoint config (architectures {c.get('architectures')})")
+
+
+def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
+    """A :class:`BlockDraftConfig` from any of the three ``config.json`` layouts."""
+    layout = detect_layout(c)
+    if layout == "speculators":
+        t = c["transformer_layer_config"]
+        draft_vocab = c.get("draft_vocab_size")
+        if draft_vocab is not None and draft_vocab != t["vocab_size"]:
+            raise ValueError(f"speculators checkpoint with a reduced draft vocabulary ({draft_vocab} of"
+                             f" {t['vocab_size']}) is not supported")
+        if c.get("projector_type", "dflash") != "dflash":
+            raise ValueError(f"speculators projector_type {c['projector_type']!r} is not supported")
+        return BlockDraftConfig(**_arch(t), num_target_layers=c.get("num_target_layers"),
+                                target_layer_ids=list(c["aux_hidden_state_layer_ids"]),
+                                mask_token_id=int(c["mask_token_id"]), block_size=int(c["block_size"]),
+                                anchor_predicts=bool(c.get("sample_from_anchor", False)))
+    if layout == "deepspec":
+        rank = int(c.get("markov_rank", 0))
+        conf = bool(c.get("enable_confidence_head", False))
+        return BlockDraftConfig(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                                target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
+                                block_size=int(c["block_size"]), anchor_predicts=True, markov_rank=rank,
+                                markov_head_type=str(c.get("markov_head_type", "vanilla")).lower(),
+                                enable_confidence_head=conf,
+                                confidence_head_with_markov=bool(c.get("confidence_head_with_markov", False)),
+                                confidence_temperatures=c.get("confidence_temperatures"))
+    dc = c.get("dflash_config") or {}
+    return BlockDraftConfig(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                            target_layer_ids=list(dc.get("target_layer_ids", c.get("target_layer_ids"))),
+                            mask_token_id=int(dc.get("mask_token_id", c.get("mask_token_id"))),
+                            block_size=int(c.get("block_size", 16)))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> BlockDraftModel:
+    """The draft network of a checkpoint folder in any supported layout."""
+    folder = Path(folder)
+    cfg = config_from_dict(json.loads((folder / "config.json").read_text()))
+    model = BlockDraftModel(cfg)
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for key in sf.keys():
+                name = key.removeprefix("model.")
+                if not name.startswith(_SKIP):
+                    state[name] = sf.get_tensor(key)
+    t2d = state.get("t2d")
+    if t2d is not None:  # a draft vocabulary over the full one (a reduced lm_head was refused above)
+        state["t2d"] = t2d.bool()
+        model.set_draft_vocab(state["t2d"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
+    return model.to(dtype).eval()
+
+
+def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                     extra: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors``: z-lab layout for DFlash (no anchor
+    prediction), DeepSpec layout for DSpark. No embedding or LM head is stored."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    arch = {k: getattr(cfg, k) for k in _ARCH_FIELDS} | {"rope_parameters": cfg.rope_parameters,
+                                                         "num_target_layers": cfg.num_target_layers,
+                                                         "block_size": cfg.block_size, "model_type": "qwen3",
+                                                         "tie_word_embeddings": False}
+    if cfg.anchor_predicts:
+        config = {"architectures": ["Qwen3DSparkModel"], **arch, "mask_token_id": cfg.mask_token_id,
+                  "target_layer_ids": cfg.target_layer_ids, "markov_rank": cfg.markov_rank,
+                  "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
+                  "confidence_head_with_markov": cfg.confidence_head_with_markov,
+                  "confidence_temperatures": cfg.confidence_temperatures}
+    else:
+        config = {"architectures": ["DFlashDraftModel"], **arch,
+                  "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}}
+    if model.t2d is not None:
+        config["draft_vocab_size"] = int(model.t2d.sum())  # tokens drafted; the mask is the tensor t2d
+    config.update(extra or {})
+    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
+             for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder

@@ -1,0 +1,41 @@
+"""The DFlash drafter's weights as transformers' own DFlash draft model.
+
+transformers ships DFlash drafting as ``DFlashTokenCandidateGenerator`` (``generate(...,
+speculation_type="dflash")``) over its DFlash draft model class (``MuseGlimmerAssistantModel``:
+the same block forward, with ``fc``/``hidden_norm`` under ``encoder.fc``/``encoder.output_norm_enc``).
+Converting our weights lets the benchmark's ``hf_compare`` and the tests run both implementations on
+the same numbers.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from specdec.drafters.dflash import DFlashDrafter
+
+__all__ = ["to_transformers"]
+
+_RENAME = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
+
+
+def to_transformers(drafter: DFlashDrafter) -> nn.Module:
+    """A transformers DFlash draft model holding this drafter's weights (full attention, sdpa)."""
+    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import (
+        MuseGlimmerAssistantConfig,
+    )
+    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
+
+    cfg = drafter.cfg
+    hf_cfg = MuseGlimmerAssistantConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps, rope_parameters=dict(cfg.rope_parameters),
+        max_position_embeddings=cfg.max_position_embeddings, layer_types=["full_attention"] * cfg.num_hidden_layers,
+        block_size=cfg.block_size, mask_token_id=cfg.mask_token_id, target_layer_ids=list(cfg.target_layer_ids),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf_cfg._attn_implementation = "sdpa"
+    model = MuseGlimmerAssistantModel(hf_cfg).eval()
+    state = {next((v + k[len(p):] for p, v in _RENAME.items() if k.startswith(p)), k): w
+             for k, w in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
+    model.load_state_dict(state, strict=True)
+    return model.to(device=drafter.target.device, dtype=drafter.target.dtype)

@@ -1,0 +1,312 @@
+"""The block-parallel draft network shared by DFlash and DSpark.
+
+One forward drafts a whole block. The block's inputs are ``[anchor, MASK × (b−1)]`` (the target's
+frozen embeddings); queries come from the block only, and attention inside the block is
+**non-causal**. Every draft layer also attends to *context* keys and values computed from the
+target: ``ctx = hidden_norm(fc(concat of m target layer outputs))`` at every committed token,
+projected by that layer's own ``k_proj``/``v_proj`` (with ``k_norm`` and RoPE at the token's
+position). The draft has no embedding or LM head of its own: both are the target's.
+
+    K = k_norm([W_K·ctx ; W_K·h_blk]),  V = [W_V·ctx ; W_V·h_blk],  Q = q_norm(W_Q·h_blk)
+
+Because context K/V depend only on committed tokens, a drafter caches them
+(:class:`ContextKV`) and only appends the accepted tokens' entries after each step.
+
+``target_layer_ids`` name layer **outputs** (0-indexed), as DFlash checkpoints do; the library's
+target captures layer *inputs*, so :func:`specdec.target.layer_output_ids` converts them.
+
+Shape symbols: ``B`` rows, ``b`` block length, ``c`` context tokens, ``D`` draft hidden size
+(equal to the target's), ``H``/``G`` query/KV heads, ``h`` head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from specdec.drafters.dspark_heads import ConfidenceHead, build_markov_head
+
+__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids", "rms_norm"]
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: ``num_draft_layers`` layer outputs evenly spaced from 1 to L−3
+    (``[L//2]`` for one). Tiny targets (L < 5) get the ids clamped into ``[0, L−2]``: the last
+    layer's output is left out because Hugging Face's ``hidden_states[L]`` is already final-normed."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    start, end = 1, L - 3
+    ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    return sorted({min(max(i, 0), max(L - 2, 0)) for i in ids})
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class BlockDraftConfig:
+    """Everything that shapes the network; stored in the checkpoint's ``config.json``."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int | None  # None until bound (some layouts do not record it)
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 8
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 32768
+    # DSpark only (0 / False for DFlash)
+    anchor_predicts: bool = False  # block position 0 (the anchor) drafts the first token
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    confidence_temperatures: list[float] | None = None  # post-hoc calibration, one per position
+
+    def __post_init__(self) -> None:
+        ids = list(self.target_layer_ids)
+        if not ids:
+            raise ValueError("target_layer_ids must not be empty")
+        if self.num_target_layers is not None:
+            self.check_target(self.num_target_layers)
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"target_layer_ids must be strictly increasing, got {ids}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
+        if self.block_size < 2 - int(self.anchor_predicts):
+            raise ValueError(f"block_size {self.block_size} drafts nothing")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank <= 0:
+            raise ValueError("a confidence head with markov features needs markov_rank > 0")
+
+    def check_target(self, num_target_layers: int) -> None:
+        """Ids name layer outputs, 0-indexed; −1 is the embedding output (DeepSpec's convention)."""
+        ids = self.target_layer_ids
+        if any(not -1 <= i < num_target_layers for i in ids):
+            raise ValueError(f"target_layer_ids {ids} outside [-1, {num_target_layers - 1}]"
+                             f" for a {num_target_layers}-layer target (they name layer outputs; -1 = embeddings)")
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts one trained block yields: b−1 (DFlash) or b (DSpark, the anchor predicts too)."""
+        return self.block_size - 1 + int(self.anchor_predicts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def rotary(self) -> LlamaRotaryEmbedding:
+        cfg = LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                          head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                          rope_parameters=dict(self.rope_parameters))
+        return LlamaRotaryEmbedding(cfg)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [B, heads, n, h] with cos/sin [B, n, h] (the half-split convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        D, H, G, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.G, self.h = H, G, h
+        self.q_proj = nn.Linear(D, H * h, bias=False)
+        self.k_proj = nn.Linear(D, G * h, bias=False)
+        self.v_proj = nn.Linear(D, G * h, bias=False)
+        self.o_proj = nn.Linear(H * h, D, bias=False)
+        self.q_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values of x [B, n, D] → [B, G, n, h] each."""
+        B, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, n, self.G, self.h)).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.G, self.h).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """x [B, b, D] (normed block), ctx_k/v [B, G, c, h], cos/sin of the block [B, b, h],
+        mask [B, 1, b, c + b] bool (True = attend)."""
+        B, b, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, b, self.H, self.h)).transpose(1, 2)
+        q = _rotate(q, cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k_blk], 2), torch.cat([ctx_v, v_blk], 2)
+        if self.G != self.H:
+            k, v = k.repeat_interleave(self.H // self.G, 1), v.repeat_interleave(self.H // self.G, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, b, self.H * self.h))
+
+
+class BlockMLP(nn.Module):
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BlockLayer(nn.Module):
+    """A pre-norm decoder layer whose attention also reads the context K/V."""
+
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.self_attn = BlockAttention(cfg)
+        self.mlp = BlockMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class BlockDraftModel(nn.Module):
+    """The backbone; parameter names are the z-lab DFlash checkpoint's (``layers.{i}.*``, ``fc``,
+    ``hidden_norm``, ``norm``). DSpark's heads live beside it (:mod:`specdec.drafters.dspark_heads`)."""
+
+    def __init__(self, cfg: BlockDraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([BlockLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary_emb = cfg.rotary()
+        self.t2d: Tensor | None
+        self.register_buffer("t2d", None)  # optional draft vocabulary [V] bool (see set_draft_vocab)
+        self.markov_head = build_markov_head(cfg.vocab_size, cfg.markov_rank, D, cfg.markov_head_type)
+        self.confidence_head = (ConfidenceHead(D, cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+                                if cfg.enable_confidence_head else None)
+
+    def init_weights(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+
+    def set_draft_vocab(self, t2d: Tensor | None) -> None:
+        """Restrict drafts to the tokens marked in ``t2d`` [V] bool (speculators' name): a drafter
+        trained with its softmax over the tokens its data uses never learned to push the others
+        down, so they are masked out of its logits (q is then exactly the masked distribution)."""
+        if t2d is not None and (t2d.dtype != torch.bool or t2d.shape != (self.cfg.vocab_size,) or not bool(t2d.any())):
+            raise ValueError(f"t2d must be a non-empty bool mask of shape [{self.cfg.vocab_size}]")
+        self.t2d = None if t2d is None else t2d.clone().to(self.fc.weight.device)
+
+    def restrict(self, logits: Tensor) -> Tensor:
+        """Logits [..., V] with tokens outside the draft vocabulary at -inf (as-is without one)."""
+        return logits if self.t2d is None else logits.masked_fill(~self.t2d, float("-inf"))
+
+    def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary_emb(x, positions)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """features [B, c, m·D] (the target layer outputs, concatenated) → ctx [B, c, D]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the context keys and values of ctx [B, c, D] at positions [B, c]."""
+        cos, sin = self.rope(ctx, positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+        """block [B, b, D] embeddings at positions [B, b]; mask [B, 1, b, c + b] bool.
+        Returns the final-normed hidden states [B, b, D] (what the LM head reads)."""
+        cos, sin = self.rope(block, positions)
+        x = block
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, k, v, cos, sin, mask)
+        return self.norm(x)
+
+
+class ContextKV:
+    """The draft's context K/V cache, ragged across rows.
+
+    Holds, for every row, one slot per committed token whose target features were handed in.
+    Rows gain different numbers of slots per step (pad slots are marked invalid); since only
+    committed tokens enter, a rejected draft never needs evicting: the block's own K/V are never
+    stored. :meth:`crop` drops a row's last slots (used when a caller rewinds a row).
+    """
+
+    def __init__(self, batch: int, num_layers: int, device: torch.device, dtype: torch.dtype):
+        self.keys: list[Tensor | None] = [None] * num_layers
+        self.values: list[Tensor | None] = [None] * num_layers
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def append(self, kv: list[tuple[Tensor, Tensor]], counts: Tensor) -> None:
+        """kv per layer [B, G, n, h] with row b's first ``counts[b]`` slots real."""
+        n = kv[0][0].shape[2] if kv else 0
+        new_valid = torch.arange(n, device=self.valid.device).unsqueeze(0) < counts.unsqueeze(1)
+        for i, (k, v) in enumerate(kv):
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], 2)
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], 2)
+        self.valid = torch.cat([self.valid, new_valid], 1)
+        self.lengths = self.lengths + counts
+        if self.valid.shape[1] > 64 and float(self.valid.float().mean()) < 0.5:
+            self.compact()
+
+    def crop(self, counts: Tensor) -> None:
+        """Drop the last ``counts[b]`` valid slots of each row."""
+        rank_from_end = self.valid.flip(-1).long().cumsum(-1).flip(-1)
+        self.valid = self.valid & ~(self.valid & (rank_from_end <= counts.unsqueeze(1)))
+        self.lengths = self.valid.sum(1)
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        assert self.keys[i] is not None and self.values[i] is not None
+        return self.keys[i], self.values[i]
+
+    def compact(self) -> None:
+        """Move every row's valid slots to the front; drop columns no row needs."""
+        keep = int(self.lengths.max()) if self.valid.numel() else 0
+        order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, :keep]
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is None or v is None:
+                continue
+            idx = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            self.keys[i], self.values[i] = k.gather(2, idx), v.gather(2, idx)
+        self.valid = self.valid.gather(1, order)
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.keys = [None if k is None else k[rows] for k in self.keys]
+        self.values = [None if v is None else v[rows] for v in self.values]
+        self.valid, self.lengths = self.valid[rows], self.lengths[rows]

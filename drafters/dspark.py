@@ -1,0 +1,207 @@
+"""DSpark: DFlash's block backbone, causal correction, and confidence-scheduled verification
+(DeepSeek-AI, arXiv 2607.05147).
+
+Three changes to DFlash (:mod:`specdec.drafters.dflash`):
+
+1. **The anchor predicts.** The block ``[anchor, MASK × (γ−1)]`` at positions ``P..P+γ−1`` gives
+   base logits ``U_1..U_γ`` from positions ``0..γ−1``: ``γ`` drafts per pass.
+2. **Causal correction.** Drafts are drawn left to right from ``U_k`` plus the Markov head's bias
+   from ``x_{k−1}`` (:mod:`specdec.drafters.dspark_heads`), each after the same warp as the
+   target's; ``q`` is exactly the distribution each token was drawn from. Greedy drafting takes
+   the argmaxes in the same order and returns ``q = None``.
+3. **Confidences and the prefix scheduler.** The confidence head gives ``c_k`` per draft
+   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.scheduler.schedule` sets
+   ``num_valid`` per row from the survival products and a step-cost table profiled once at
+   start-up (or passed as ``costs``). When even the best schedule is expected to be slower than
+   autoregressive decoding, the next step skips drafting (an empty proposal, also lossless),
+   re-probing after ``probe_every`` steps (backing off while it keeps saying so). The scheduler
+   is off by default: it makes how many tokens a row verifies depend on the other rows, so a
+   row's *random stream* (not its output distribution) then depends on its batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.dflash import BlockDrafter, BlockState, tiny_block_config
+from specdec.drafters.dflash_model import BlockDraftModel, ContextKV
+from specdec.drafters.dspark_heads import sample_with_head
+from specdec.models import cache_dir
+from specdec.sampling import RowSampling, SamplingParams
+from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.target import Target
+from specdec.types import DraftProposal
+
+__all__ = ["DSparkDrafter"]
+
+
+def _one_hot_argmax(logits: Tensor) -> Tensor:
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+class DSparkDrafter(BlockDrafter):
+    name = "dspark"
+
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, scheduler: bool = False,
+                 costs: StepCosts | str | None = None, budget: int | None = None, ragged: bool = False,
+                 probe_every: int = 8):
+        if not model.cfg.anchor_predicts:
+            raise ValueError("dspark needs a model whose anchor position predicts (DeepSpec / speculators"
+                             " sample_from_anchor layout); this looks like a DFlash checkpoint")
+        if scheduler and model.confidence_head is None:
+            raise ValueError("the prefix scheduler needs a confidence head (enable_confidence_head)")
+        super().__init__(model, greedy_draft)
+        self.scheduler = scheduler
+        self.costs = StepCosts.load(costs) if isinstance(costs, (str, Path)) else costs
+        self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
+
+    @classmethod
+    def create(cls, target: Target, **options: Any) -> DSparkDrafter:
+        """``checkpoint`` or ``model``; ``greedy_draft``, ``scheduler``, ``costs`` (a
+        :class:`StepCosts` or a JSON path), ``budget``, ``ragged``, ``probe_every``."""
+        model = cls._load(options)
+        d = cls(model, **options)
+        d.bind(target)
+        return d
+
+    @classmethod
+    def tiny(cls, target: Target, **overrides: Any) -> DSparkDrafter:
+        seed, std = overrides.pop("seed", 1), overrides.pop("init_std", 0.3)
+        overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
+        opts = {k: overrides.pop(k) for k in ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every")
+                if k in overrides}
+        torch.manual_seed(seed)
+        cfg = tiny_block_config(target, **{"anchor_predicts": True, "markov_rank": 4, "block_size": 4,
+                                           "enable_confidence_head": True, **overrides})
+        model = BlockDraftModel(cfg)
+        model.init_weights(std)
+        d = cls(model, **opts)
+        d.bind(target)
+        return d
+
+    def bind(self, target: Target) -> None:
+        super().bind(target)
+        if self.scheduler and self.costs is None:
+            self.costs = self.profile(target)
+
+    # --- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
+        B = state.anchors.shape[0]
+        if self.scheduler and self._skip(state, k):
+            return DraftProposal.empty(B, self.target.device)
+        hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
+        base = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
+        greedy = self.greedy_draft or rows.all_greedy
+        probs = _one_hot_argmax if greedy else rows.probs
+        u = rows.draft_uniform(k)
+        tokens, q = self._sample(base, state.anchors, hidden, probs, u, rows, greedy)
+        num_valid = None
+        if self.model.confidence_head is not None:
+            conf = self.confidences(hidden, state.anchors, tokens)
+            state.extra["conf"] = conf
+            if self.scheduler:
+                assert self.costs is not None
+                num_valid = schedule(conf, self.costs, self.budget, self.ragged)
+        return DraftProposal.chain(tokens, None if greedy else q, num_valid)
+
+    def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, probs, u: Tensor, rows: RowSampling,
+                greedy: bool) -> tuple[Tensor, Tensor]:
+        """Left-to-right Markov sampling. On a GPU, the vanilla head with a temperature-only warp
+        runs the fused kernel (:func:`specdec.kernels.markov.markov_sample`, same semantics)."""
+        head = self.model.markov_head
+        fused = (head is not None and head.kind == "vanilla" and base.device.type == "cuda" and not greedy
+                 and bool((rows.top_k == 0).all()) and bool((rows.top_p >= 1).all()))
+        if fused:
+            from specdec.kernels.markov import markov_sample
+
+            tokens, q = markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, rows.temperature, u)
+            assert q is not None
+            return tokens, q
+        return sample_with_head(base, anchors, head, hidden, probs, u)
+
+    def confidences(self, hidden: Tensor, anchors: Tensor, tokens: Tensor) -> Tensor:
+        """Calibrated ``c_k`` for drafts ``tokens`` [B, γ] from the block hidden [B, γ, D]. [B, γ]"""
+        head, markov = self.model.confidence_head, self.model.markov_head
+        assert head is not None
+        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
+        emb = markov.prev_embed(prev) if (self.cfg.confidence_head_with_markov and markov is not None) else None
+        logits = head(hidden, emb)
+        temps = self.cfg.confidence_temperatures
+        if temps:
+            t = torch.tensor([temps[min(j, len(temps) - 1)] for j in range(logits.shape[1])], device=logits.device)
+            logits = logits / t
+        return torch.sigmoid(logits)
+
+    def _skip(self, state: BlockState, k: int) -> bool:
+        """Skip drafting when the last confidences say even the best schedule is slower than
+        autoregressive decoding. A skipped row re-probes after ``probe_every`` steps; each probe
+        that still says "skip" doubles that gap (up to 64), so a batch where drafting never pays
+        spends almost nothing on probes."""
+        conf = state.extra.get("conf")
+        if conf is None or conf.shape[1] != k:
+            return False
+        assert self.costs is not None
+        spec, ar = best_throughput(conf, self.costs, self.budget, self.ragged)
+        gap = int(state.extra.get("probe_gap", self.probe_every))
+        if spec >= ar:
+            state.extra["skipped"], state.extra["probe_gap"] = 0, self.probe_every
+            return False
+        skipped = int(state.extra.get("skipped", 0)) + 1
+        if skipped >= gap:  # probe: draft once to refresh the confidences
+            state.extra["skipped"], state.extra["probe_gap"] = 0, min(2 * gap, 64)
+            return False
+        state.extra["skipped"] = skipped
+        return True
+
+    # --- start-up profiling -------------------------------------------------------------------
+    def profile(self, target: Target, context: int = 32, gamma: int | None = None) -> StepCosts:
+        """Profile the verify and draft costs on this machine once (a few seconds); cached under
+        ``cache_dir()/step_costs/`` by target, draft config, threads and device."""
+        gamma = gamma or self.cfg.num_drafts
+        arch = {k: v for k, v in self.cfg.to_dict().items() if k != "confidence_temperatures"}
+        key = hashlib.sha1(json.dumps([target.config.to_dict(), arch, torch.get_num_threads(),
+                                       str(target.device), context, gamma], sort_keys=True, default=str).encode())
+        path = cache_dir() / "step_costs" / f"{key.hexdigest()[:16]}.json"
+        gen = torch.Generator().manual_seed(0)
+        sessions: dict[int, Any] = {}
+        sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+        def verify(r: int, w: int) -> float:
+            if r not in sessions:  # one prefilled context per batch size, reused
+                sessions[r] = target.new_session(r)
+                target.prefill(sessions[r], torch.randint(0, target.vocab_size, (r, context), generator=gen).tolist())
+            block = torch.randint(0, target.vocab_size, (r, w), generator=gen).to(target.device)
+            sync()
+            t0 = time.perf_counter()
+            target.forward(sessions[r], block)
+            sync()
+            dt = time.perf_counter() - t0
+            target.commit(sessions[r], torch.zeros(r, w, dtype=torch.bool))  # holes: the context stays put
+            return dt
+
+        def draft(r: int) -> float:
+            feats = torch.randn(r, context, self.model.fc.in_features, generator=gen).to(target.device, target.dtype)
+            state = BlockState(torch.zeros(r, dtype=torch.long, device=target.device), list(feats),
+                               ContextKV(r, len(self.model.layers), target.device, target.dtype))
+            rows = RowSampling([SamplingParams(temperature=1.0, seed=0)] * r, target.device)
+            self.extend_context(state)
+            sync()
+            t0 = time.perf_counter()
+            self.propose(state, gamma, rows)
+            sync()
+            return time.perf_counter() - t0
+
+        scheduler, self.scheduler = self.scheduler, False  # profile the plain draft pass
+        try:
+            with torch.inference_mode():
+                return profile_step_costs(verify, draft, widths=(1, 1 + gamma // 2, 1 + gamma), cache=path)
+        finally:
+            self.scheduler = scheduler

@@ -1,0 +1,230 @@
+"""DSpark: the Markov sampler's exact q (every head), the confidence head and its calibration, the
+prefix scheduler (bounds, budget, batch-aware trade-off, losslessness), the DeepSpec layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.drafters.dflash_checkpoint import load_block_draft, save_block_draft
+from specdec.drafters.dspark import DSparkDrafter
+from specdec.drafters.dspark_heads import (
+    MarkovHead,
+    calibrate_temperatures,
+    expected_calibration_error,
+    markov_sample,
+    sample_with_head,
+)
+from specdec.loop import Request, run
+from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
+from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.testing import assert_greedy_equivalent, greedy_reference
+from specdec.verifiers import GreedyVerifier
+
+V = 32
+
+
+def _warp(t: float = 0.8, k: int = 0, p: float = 0.9, B: int = 3):
+    temp, top_k, top_p = torch.full((B,), t), torch.full((B,), k), torch.full((B,), p)
+    return lambda logits: warp(logits, temp, top_k, top_p)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_markov_q_is_exactly_what_each_token_was_drawn_from(kind):
+    torch.manual_seed(0)
+    B, gamma, d, r = 3, 5, 16, 4
+    head = MarkovHead(V, r, d, kind)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=1.0)
+    base, hidden = torch.randn(B, gamma, V) * 2, torch.randn(B, gamma, d)
+    anchors, u = torch.randint(0, V, (B,)), torch.rand(B, gamma, dtype=torch.float64)
+    probs = _warp()
+    with torch.no_grad():
+        tokens, q = sample_with_head(base, anchors, head, hidden, probs, u)
+        prev = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
+        expect = torch.stack([probs(x) for x in (base + head.block_bias(prev, hidden)).unbind(1)], 1)
+    torch.testing.assert_close(q, expect)  # teacher-forced on the drawn tokens: the same distributions
+    for k in range(gamma):
+        assert torch.equal(tokens[:, k], sample_from(q[:, k], u[:, k]))
+        assert bool((q[:, k].gather(1, tokens[:, k:k + 1]) > 0).all())
+
+
+def test_markov_sample_reference_matches_the_vanilla_head():
+    torch.manual_seed(1)
+    head = MarkovHead(V, 6, 8, "vanilla")
+    base, anchors = torch.randn(2, 4, V), torch.randint(0, V, (2,))
+    u = torch.rand(2, 4, dtype=torch.float64)
+    with torch.no_grad():
+        a = markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, _warp(B=2), u)
+        b = sample_with_head(base, anchors, head, None, _warp(B=2), u)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+
+
+def test_markov_sample_agrees_with_the_kernels_reference():
+    """The fused kernel's specification (temperature-only warp) is this sampler's semantics."""
+    from specdec.kernels.markov import markov_sample_reference
+
+    torch.manual_seed(2)
+    head = MarkovHead(V, 6, 8, "vanilla")
+    base, anchors = torch.randn(3, 4, V) * 2, torch.randint(0, V, (3,))
+    u = torch.rand(3, 4, dtype=torch.float64)
+    temp = torch.tensor([0.7, 1.0, 1.3])
+    w1, w2 = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+    ours = markov_sample(base, anchors, w1, w2, lambda x: warp(x, temp, torch.zeros(3, dtype=torch.long),
+                                                                torch.ones(3)), u)
+    theirs = markov_sample_reference(base, anchors, w1, w2, temp, u)
+    assert torch.equal(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+
+
+def test_markov_bias_depends_on_the_previous_token_not_the_position():
+    head = MarkovHead(V, 4, 8, "vanilla")
+    prev = torch.tensor([[3, 3, 5]])
+    bias = head.block_bias(prev, None)
+    torch.testing.assert_close(bias[0, 0], bias[0, 1])
+    assert not torch.allclose(bias[0, 0], bias[0, 2])
+
+
+def test_confidences_are_probabilities_and_temperatures_apply(target):
+    d = DSparkDrafter.tiny(target)
+    rows = RowSampling([SamplingParams(temperature=1.0, seed=3)])
+    state = _start(target, d, [1, 2, 3, 4, 5], rows)
+    d.propose(state, 4, rows)
+    c = state.extra["conf"]
+    assert c.shape == (1, 4) and bool(((c > 0) & (c < 1)).all())
+    hidden = d.block_hidden(state, 4)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    plain = d.confidences(hidden, state.anchors, tokens)
+    d.cfg.confidence_temperatures = [0.01] * 4  # sharpened: pushed to 0 or 1
+    sharp = d.confidences(hidden, state.anchors, tokens)
+    assert bool(((sharp - 0.5).abs() >= (plain - 0.5).abs() - 1e-6).all())
+
+
+def _start(target, drafter, prompt, rows):
+    from specdec.types import Committed
+
+    session = target.new_session(1)
+    out, padded, lengths = target.prefill(session, [prompt])
+    c = Committed(tokens=padded, num_tokens=lengths, positions=torch.arange(len(prompt))[None],
+                  next_tokens=out.logits[:, -1].argmax(-1), active=torch.ones(1, dtype=torch.bool), hidden=out.hidden)
+    return drafter.start(c, rows)
+
+
+def test_sequential_temperature_scaling_recovers_an_overconfident_head():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(4000, 3, generator=gen) * 3
+    truth = torch.sigmoid(z / 2.5)  # the head is overconfident by a factor 2.5
+    outcome = torch.bernoulli(truth, generator=gen)
+    temps = calibrate_temperatures(z, outcome)
+    assert all(1.8 < t < 3.5 for t in temps[:2]), temps
+    surv = outcome.cumprod(-1)
+    before = expected_calibration_error(torch.sigmoid(z).cumprod(-1)[:, 1], surv[:, 1])
+    after = expected_calibration_error(torch.sigmoid(z / torch.tensor(temps)).cumprod(-1)[:, 1], surv[:, 1])
+    assert after < before
+
+
+def _linear_costs(per_token: float = 1.0, fixed: float = 4.0, draft: float = 0.5) -> StepCosts:
+    tokens = [1, 8, 64, 512]
+    return StepCosts(tokens, [fixed + per_token * n for n in tokens], [1, 64], [draft, draft])
+
+
+def test_schedule_bounds_budget_and_prefixes():
+    gen = torch.Generator().manual_seed(0)
+    conf = torch.rand(6, 5, generator=gen)
+    for budget in (None, 0, 3, 7):
+        n = schedule(conf, _linear_costs(per_token=0.05), budget)
+        assert bool(((n >= 0) & (n <= 5)).all())
+        if budget is not None:
+            assert int(n.sum()) <= budget
+    assert schedule(torch.ones(2, 4), _linear_costs(per_token=0.0)).tolist() == [4, 4]  # free tokens: all
+    assert schedule(torch.zeros(2, 4), _linear_costs()).tolist() == [0, 0]  # hopeless drafts: none
+
+
+def test_schedule_moves_drafts_to_the_more_confident_request():
+    conf = torch.tensor([[0.95] * 6, [0.3] * 6])
+    n = schedule(conf, _linear_costs(per_token=1.0, fixed=8.0), ragged=True)
+    assert n[0] > n[1]
+    n_budget = schedule(conf, _linear_costs(per_token=0.0), budget=4, ragged=True)
+    assert n_budget.tolist() == [4, 0]
+
+
+def test_best_throughput_prefers_autoregressive_when_drafting_costs_too_much():
+    conf = torch.full((4, 4), 0.2)
+    spec, ar = best_throughput(conf, _linear_costs(per_token=1.0, fixed=1.0, draft=50.0))
+    assert spec < ar
+
+
+def test_profiled_costs_are_cached(tmp_path):
+    calls = []
+
+    def verify(r, w):
+        calls.append((r, w))
+        return 0.001 * r * w
+
+    path = tmp_path / "costs.json"
+    a = profile_step_costs(verify, lambda r: 0.01 * r, rows=(1, 2), widths=(1, 3), repeats=1, cache=path)
+    n = len(calls)
+    b = profile_step_costs(verify, lambda r: 0.01 * r, rows=(1, 2), widths=(1, 3), repeats=1, cache=path)
+    assert len(calls) == n and a == b and a.verify(6) == pytest.approx(0.006)
+    with pytest.raises(ValueError, match="ascending"):
+        StepCosts([4, 1], [0.1, 0.2], [1], [0.1])
+
+
+@pytest.mark.parametrize("costs", ["linear", "never_draft"])
+def test_scheduler_is_lossless_greedy(target, costs):
+    table = _linear_costs(per_token=0.1) if costs == "linear" else _linear_costs(per_token=1.0, draft=1e3)
+    d = DSparkDrafter.tiny(target, scheduler=True, costs=table)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    res = run(target, d, GreedyVerifier(), [Request(p, 12) for p in prompts], k=4, eos_token_ids=set())
+    for p, r in zip(prompts, res.requests):
+        ref, logits = greedy_reference(target.model, p, 12)
+        assert_greedy_equivalent(r.tokens, ref, logits)
+    if costs == "never_draft":  # skipped most steps: few drafts were even proposed
+        assert sum(r.metrics.drafted for r in res.requests) < sum(r.metrics.steps for r in res.requests) * 4
+
+
+def test_reads_and_writes_the_deepspec_layout(target, tmp_path):
+    for kind in ("vanilla", "gated", "rnn"):
+        d = DSparkDrafter.tiny(target, markov_head_type=kind, confidence_temperatures=[1.5, 1.0])
+        folder = save_block_draft(d.model, tmp_path / kind, dtype=torch.float32)
+        config = json.loads((folder / "config.json").read_text())
+        assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_head_type"] == kind
+        loaded = load_block_draft(folder)
+        assert loaded.cfg.anchor_predicts and loaded.cfg.confidence_temperatures == [1.5, 1.0]
+        for k, v in d.model.state_dict().items():
+            torch.testing.assert_close(loaded.state_dict()[k], v)
+    names = set(loaded.state_dict())
+    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
+            "markov_head.joint_proj.weight"} <= names
+
+
+def test_bad_inputs_raise(target):
+    from specdec.drafters.dflash import DFlashDrafter
+
+    with pytest.raises(ValueError, match="anchor"):
+        DSparkDrafter(DFlashDrafter.tiny(target).model)
+    with pytest.raises(ValueError, match="confidence head"):
+        DSparkDrafter.tiny(target, enable_confidence_head=False, scheduler=True, costs=_linear_costs())
+    with pytest.raises(ValueError, match="markov"):
+        MarkovHead(V, 4, 8, "lstm")
+
+
+CHECKPOINT = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "smollm2-135m-dspark"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").exists(), reason="checkpoint not trained yet")
+def test_committed_smollm2_checkpoint_is_accepted(smollm2):
+    target = smollm2
+    d = DSparkDrafter.create(target, checkpoint=str(CHECKPOINT))
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.inference_mode():
+        res = run(target, d, GreedyVerifier(), [Request(list(prompt), 64)], k=8, eos_token_ids=set())
+    m = res.requests[0].metrics
+    # a random draft is accepted with probability ~1/49152 per token: a handful is far above chance
+    assert m.new_tokens == 64 and m.accepted >= 3 and m.acceptance_at[0] > 0.05
