@@ -154,6 +154,15 @@ class BlockDrafter(Drafter):
         return self.model(block, positions, kv, mask)
 
     @classmethod
+    def create(cls, target: Target, **options: Any) -> BlockDrafter:
+        """``checkpoint`` (a folder) or ``model`` (a :class:`BlockDraftModel`), plus the
+        subclass's own options (``greedy_draft``; DSpark's scheduler settings)."""
+        model = cls._load(options)
+        d = cls(model, **options)
+        d.bind(target)
+        return d
+
+    @classmethod
     def _load(cls, options: dict[str, Any]) -> BlockDraftModel:
         from specdec.drafters.dflash_checkpoint import load_block_draft
 
@@ -169,14 +178,6 @@ class BlockDrafter(Drafter):
 
 class DFlashDrafter(BlockDrafter):
     name = "dflash"
-
-    @classmethod
-    def create(cls, target: Target, **options: Any) -> DFlashDrafter:
-        """``checkpoint`` (a folder) or ``model`` (a :class:`BlockDraftModel`); ``greedy_draft``."""
-        model = cls._load(options)
-        d = cls(model, **options)
-        d.bind(target)
-        return d
 
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> DFlashDrafter:

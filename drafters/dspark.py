@@ -63,15 +63,6 @@ class DSparkDrafter(BlockDrafter):
         self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
 
     @classmethod
-    def create(cls, target: Target, **options: Any) -> DSparkDrafter:
-        """``checkpoint`` or ``model``; ``greedy_draft``, ``scheduler``, ``costs`` (a
-        :class:`StepCosts` or a JSON path), ``budget``, ``ragged``, ``probe_every``."""
-        model = cls._load(options)
-        d = cls(model, **options)
-        d.bind(target)
-        return d
-
-    @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> DSparkDrafter:
         seed, std = overrides.pop("seed", 1), overrides.pop("init_std", 0.3)
         overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
