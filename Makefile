@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test bench-ngram sweep-ngram
+.PHONY: setup demo test bench-ngram sweep-ngram sweep-drafters
 
 setup: $(VENV)/.installed
 
@@ -36,3 +36,8 @@ bench-ngram: setup
 sweep-ngram: setup
 	$(PY) experiments/run.py --config-name smollm2_ngram_sweep -m
 	$(PY) experiments/report.py multirun/smollm2_ngram_sweep
+
+# Every drafter with a SmolLM2 checkpoint on the same prompts (docs/results.md, "All drafters on the same prompts")
+sweep-drafters: setup
+	$(PY) experiments/run.py --config-name smollm2_drafters -m progress=false
+	$(PY) experiments/report.py multirun/smollm2_drafters
