@@ -24,7 +24,7 @@ HF_METHODS = {
     "generate": None,  # plain greedy/sampled generate(): the peer of specdec's autoregressive loop
     "prompt_lookup": "ngram",  # prompt_lookup_num_tokens=k
     "assistant": "draft_model",  # assistant_model=<the same draft weights>
-    "mtp": "mtp",  # use_mtp=True (waits for the mtp drafter)
+    "mtp": "mtp",  # use_mtp=True on the target's own MTP layers
     "dflash": "dflash",  # transformers' DFlash candidate generator on the dflash drafter's weights
 }
 
