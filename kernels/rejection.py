@@ -57,6 +57,10 @@ def _base(probs: Tensor | None, logits: Tensor | None, temperature: Tensor | Non
         return r, torch.ones(r.shape[:2], dtype=torch.float32, device=r.device)
     assert logits is not None and temperature is not None
     t = temperature.float().view(-1, 1, 1)
+    ones = torch.ones(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    if not bool((t > 0).any()):  # all greedy (the greedy verifier): no exponentials to take
+        return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+            -1, logits.float().argmax(-1, keepdim=True), 1.0), ones
     s = logits.float() / torch.where(t > 0, t, torch.ones_like(t))
     r = torch.exp(s - s.max(-1, keepdim=True).values)
     mass = r.sum(-1)
