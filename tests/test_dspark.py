@@ -228,3 +228,30 @@ def test_committed_smollm2_checkpoint_is_accepted(smollm2):
     m = res.requests[0].metrics
     # a random draft is accepted with probability ~1/49152 per token: a handful is far above chance
     assert m.new_tokens == 64 and m.accepted >= 3 and m.acceptance_at[0] > 0.05
+
+
+def test_scheduler_is_lossless_sampled(target, monkeypatch):
+    """χ² of sampled output with the prefix scheduler on: it only shortens what is verified, so the
+    output must still be distributed as the target's (the conformance suite leaves the scheduler
+    out because it couples a row's random stream to its batch, not its distribution)."""
+    import specdec.drafters.dspark as dspark_module
+    from specdec.testing import sampled_gof
+    from specdec.verifiers import RejectionVerifier
+
+    chosen: list[torch.Tensor] = []
+
+    def recording_schedule(*args, **kwargs):
+        n = schedule(*args, **kwargs)
+        chosen.append(n.clone())
+        return n
+
+    monkeypatch.setattr(dspark_module, "schedule", recording_schedule)
+    # verifying is nearly free, so the schedule admits by confidence until the shared budget runs out
+    d = DSparkDrafter.tiny(target, scheduler=True, costs=_linear_costs(per_token=1e-5, fixed=1.0, draft=0.05),
+                           budget=1800, ragged=True)
+    r = sampled_gof(target, d, RejectionVerifier(), [1, 2, 3, 4], SamplingParams(temperature=1.0), n_samples=3000, k=4)
+    lengths = torch.cat(chosen)
+    assert bool((lengths < 4).any() & (lengths > 0).any()), f"the schedule never shortened a draft: {lengths.unique()}"
+    assert len(r.pvalues) >= 3, "too few conditional tests: the check would prove nothing"
+    worst = min(zip(r.pvalues, r.tests))
+    assert worst[0] > 1e-3 / len(r.pvalues), f"not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
