@@ -2,11 +2,15 @@
 autoregressive decoding measured by the same loop in the same run.
 
     specdec-demo [--drafter ngram] [--k 8] [--max-new-tokens 96] [--temperature 0]
+
+Drafters with a trained SmolLM2 checkpoint (``mtp``, ``gemma_mtp``, ``eagle3``, ``dflash``,
+``dspark``) load it from the repository's ``experiments/checkpoints/``.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -26,9 +30,26 @@ def merge_intervals(intervals):
 """
 
 
+# the committed SmolLM2 drafters, in the repository (an editable install finds them)
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints"
+SMOLLM2_DRAFTERS = {"mtp": "smollm2-135m-mtp", "gemma_mtp": "smollm2-135m-gemma-mtp", "eagle3": "smollm2-135m-eagle3",
+                    "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark"}
+
+
+def drafter_options(name: str) -> dict:
+    """The options that point ``name`` at its committed SmolLM2 checkpoint (none for ``ngram``)."""
+    if name not in SMOLLM2_DRAFTERS:
+        return {}
+    folder = CHECKPOINTS / SMOLLM2_DRAFTERS[name]
+    if not folder.is_dir():
+        raise SystemExit(f"{name}: the SmolLM2 checkpoint {folder} is missing (it ships with the repository,"
+                         " not the wheel: install with `pip install -e .`)")
+    return {"checkpoint": str(folder)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--drafter", default="ngram", choices=["ngram", *SMOLLM2_DRAFTERS])
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -41,7 +62,7 @@ def main() -> None:
     common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=True)
     specdec.generate(target, PROMPT, None, max_new_tokens=4, chat=True)  # warm-up
     base = specdec.generate(target, PROMPT, None, **common)
-    spec = specdec.generate(target, PROMPT, args.drafter, k=args.k, **common)
+    spec = specdec.generate(target, PROMPT, args.drafter, k=args.k, **common, **drafter_options(args.drafter))
 
     s, b = spec.summary, base.summary
     print(spec.texts[0] if spec.texts else spec.tokens[0])

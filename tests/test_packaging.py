@@ -28,3 +28,14 @@ def test_namespaced_packages_import():
     assert set(specdec.drafters.DRAFTERS) >= {"ngram", "draft_model"}
     assert set(specdec.verifiers.VERIFIERS) >= {"greedy", "rejection"}
     assert Path(specdec.kernels.__file__).parent.name == "kernels"
+
+
+def test_demo_finds_every_committed_smollm2_drafter():
+    from specdec.demo import SMOLLM2_DRAFTERS, drafter_options
+    from specdec.drafters import DRAFTERS
+
+    assert set(SMOLLM2_DRAFTERS) <= set(DRAFTERS)
+    for name in SMOLLM2_DRAFTERS:
+        folder = Path(drafter_options(name)["checkpoint"])
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file(), name
+    assert drafter_options("ngram") == {}
