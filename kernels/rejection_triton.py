@@ -75,6 +75,28 @@ def _r(src_ptr, offs, msk, t, greedy, m, amax, FROM_LOGITS: tl.constexpr):
     return tl.where(msk, r, 0.0)
 
 
+@triton.jit
+def _base_tile(scratch, in_scratch, src_ptr, offs, msk, t, greedy, m, amax, FROM_LOGITS: tl.constexpr):
+    """The row's current (unnormalised) distribution on one tile: the scratch row once a
+    rejection wrote a residual there, else the target's own row."""
+    if in_scratch == 1:
+        R = tl.load(scratch + offs, mask=msk, other=0.0)
+    else:
+        R = _r(src_ptr, offs, msk, t, greedy, m, amax, FROM_LOGITS)
+    return R
+
+
+@triton.jit
+def _residual_tile(R, q_row, j, V, mass, x, offs, msk, HAS_Q: tl.constexpr):
+    """``max(0, R − q_j·mass)`` on one tile, or ``R`` with ``x`` zeroed for a deterministic node."""
+    if HAS_Q:
+        qj = tl.load(q_row + j * V + offs, mask=msk, other=0.0).to(tl.float32)
+        res = tl.maximum(R - qj * mass, 0.0)
+    else:
+        res = tl.where(offs == x, 0.0, R)
+    return res
+
+
 # n (the draft length) changes from step to step: not specialised, so no recompilation per k
 @triton.jit(do_not_specialize=["n"])
 def _rejection_kernel(
@@ -151,29 +173,15 @@ def _rejection_kernel(
                     for start in range(0, V, BLOCK):
                         offs = start + tl.arange(0, BLOCK).to(tl.int64)
                         msk = offs < V
-                        if in_scratch == 1:
-                            R = tl.load(scratch + offs, mask=msk, other=0.0)
-                        else:
-                            R = _r(pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
-                        if HAS_Q:
-                            qj = tl.load(q_row + j * V + offs, mask=msk, other=0.0).to(tl.float32)
-                            res = tl.maximum(R - qj * mass, 0.0)
-                        else:
-                            res = tl.where(offs == x, 0.0, R)
+                        R = _base_tile(scratch, in_scratch, pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
+                        res = _residual_tile(R, q_row, j, V, mass, x, offs, msk, HAS_Q)
                         rmass += tl.sum(res, 0)
                     if rmass > 0:
                         for start in range(0, V, BLOCK):
                             offs = start + tl.arange(0, BLOCK).to(tl.int64)
                             msk = offs < V
-                            if in_scratch == 1:
-                                R = tl.load(scratch + offs, mask=msk, other=0.0)
-                            else:
-                                R = _r(pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
-                            if HAS_Q:
-                                qj = tl.load(q_row + j * V + offs, mask=msk, other=0.0).to(tl.float32)
-                                res = tl.maximum(R - qj * mass, 0.0)
-                            else:
-                                res = tl.where(offs == x, 0.0, R)
+                            R = _base_tile(scratch, in_scratch, pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
+                            res = _residual_tile(R, q_row, j, V, mass, x, offs, msk, HAS_Q)
                             tl.store(scratch + offs, res, mask=msk)
                         in_scratch = tl.full((), 1, tl.int32)
                         mass = rmass
@@ -191,17 +199,10 @@ def _rejection_kernel(
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
         msk = offs < V
-        if in_scratch == 1:
-            R = tl.load(scratch + offs, mask=msk, other=0.0)
-        else:
-            R = _r(pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
+        R = _base_tile(scratch, in_scratch, pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
         res = R
         if pending >= 0:
-            if HAS_Q:
-                qp = tl.load(q_row + pending * V + offs, mask=msk, other=0.0).to(tl.float32)
-                res = tl.maximum(R - qp * mass, 0.0)
-            else:
-                res = tl.where(offs == px, 0.0, R)
+            res = _residual_tile(R, q_row, pending, V, mass, px, offs, msk, HAS_Q)
         if HAS_NOISE:
             e = tl.load(noise_ptr + b * V + offs, mask=msk, other=1.0)
             score = tl.where(res > 0, tl.math.div_rn(res, e), -1.0)
