@@ -29,66 +29,41 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 import specdec
 from specdec.bench import git_sha
 from specdec.block_training import BlockBatch, block_loss, sample_anchors
-from specdec.distill import self_distill, target_features
+from specdec.distill import FeatureSeq, extract_features, self_distill
 from specdec.drafters.dflash_checkpoint import save_block_draft
 from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
 from specdec.drafters.dspark_heads import calibrate_temperatures, expected_calibration_error
 from specdec.models import cache_dir
-from specdec.target import Target, layer_output_ids
+from specdec.target import layer_output_ids
 
 MASK_TOKEN = 16  # SmolLM2's <empty_output>: a Jupyter marker the chat model never emits
 
 
-def features(target: Target, seqs, ids: list[int], max_len: int, key: str) -> list[dict]:
-    """Per sequence (cut to ``max_len``): tokens, layer outputs [T, m·D] and final hidden [T, D], bf16."""
-    path = cache_dir() / "block_features" / f"{key}.safetensors"
-    if path.exists():
-        data = load_file(str(path))
-        off = data["offsets"].tolist()
-        return [{"tokens": data["tokens"][a:b], "features": data["features"][a:b], "final": data["final"][a:b],
-                 "response_start": int(rs)} for a, b, rs in zip(off[:-1], off[1:], data["response_start"].tolist())]
-    out = []
-    for i, s in enumerate(seqs):
-        tokens = s.tokens[:max_len]
-        feats, final = target_features(target, tokens, list(layer_output_ids(ids)))
-        out.append({"tokens": tokens, "features": feats.flatten(1).to(torch.bfloat16),
-                    "final": final.to(torch.bfloat16), "response_start": s.response_start})
-        if i % 50 == 0:
-            print(f"features {i}/{len(seqs)}", flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lengths = torch.tensor([0] + [f["tokens"].numel() for f in out])
-    save_file({"tokens": torch.cat([f["tokens"] for f in out]), "features": torch.cat([f["features"] for f in out]),
-               "final": torch.cat([f["final"] for f in out]), "offsets": lengths.cumsum(0),
-               "response_start": torch.tensor([f["response_start"] for f in out])}, str(path))
-    return out
-
-
-def feature_scale(items: list[dict]) -> torch.Tensor:
+def feature_scale(items: list[FeatureSeq]) -> torch.Tensor:
     """Per-channel RMS of the target features [m·D]. A few residual channels of SmolLM2 carry
     massive activations (RMS ~1500 against a median ~5) that would swamp ``fc`` early in a short
     run; training reads ``features / scale`` and the scale is folded into ``fc`` before saving
     (``fc(x / s) = (W / s)·x``), so the checkpoint is a plain DFlash ``fc``."""
-    sq = sum(f["features"].float().pow(2).sum(0) for f in items)
-    n = sum(f["features"].shape[0] for f in items)
+    sq = sum(f.features.float().pow(2).sum(0) for f in items)
+    n = sum(f.features.shape[0] for f in items)
     return (sq / n).sqrt().clamp(min=1e-3)
 
 
-def make_batch(items: list[dict], scale: torch.Tensor) -> BlockBatch:
-    T = max(f["tokens"].numel() for f in items)
-    B, F, D = len(items), items[0]["features"].shape[-1], items[0]["final"].shape[-1]
+def make_batch(items: list[FeatureSeq], scale: torch.Tensor) -> BlockBatch:
+    T = max(f.tokens.numel() for f in items)
+    B, F, D = len(items), items[0].features.shape[-1], items[0].final.shape[-1]
     tokens = torch.zeros(B, T, dtype=torch.long)
     feats, final = torch.zeros(B, T, F), torch.zeros(B, T, D)
     for b, f in enumerate(items):
-        n = f["tokens"].numel()
-        tokens[b, :n], feats[b, :n], final[b, :n] = f["tokens"], f["features"].float() / scale, f["final"].float()
-    return BlockBatch(tokens, feats, final, torch.tensor([f["tokens"].numel() for f in items]),
-                      torch.tensor([f["response_start"] for f in items]))
+        n = f.tokens.numel()
+        tokens[b, :n], feats[b, :n], final[b, :n] = f.tokens, f.features.float() / scale, f.final.float()
+    return BlockBatch(tokens, feats, final, torch.tensor([f.tokens.numel() for f in items]),
+                      torch.tensor([f.response_start for f in items]))
 
 
 def main() -> None:
@@ -126,8 +101,9 @@ def main() -> None:
     L, D = target.num_layers, target.hidden_size
     ids = build_target_layer_ids(L, args.features)
     key = f"{args.target}-n{args.sequences}-use{args.use}-len{args.max_len}-ids{'_'.join(map(str, ids))}"
-    data = features(target, seqs[: args.use], ids, args.max_len, key)
-    data = [f for f in data if f["tokens"].numel() - f["response_start"] >= 8]
+    data = extract_features(target, seqs[: args.use], layer_output_ids(ids),
+                            cache_dir() / "block_features" / f"{key}.safetensors", max_len=args.max_len)
+    data = [f for f in data if f.tokens.numel() - f.response_start >= 8]
     held, train = data[: args.held_out], data[args.held_out:]
     scale = feature_scale(train)
     # the LM head is most of a step: softmaxes run over the tokens the data uses (all of them)

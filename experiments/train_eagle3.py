@@ -31,7 +31,7 @@ from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.bench import git_sha  # noqa: E402
-from specdec.distill import RECIPE_DATA, recipe_data  # noqa: E402
+from specdec.distill import RECIPE_DATA, extract_features, recipe_data  # noqa: E402
 from specdec.drafters.eagle3_checkpoint import save_eagle3  # noqa: E402
 from specdec.drafters.eagle3_model import (  # noqa: E402
     Eagle3Model,
@@ -42,7 +42,6 @@ from specdec.drafters.eagle3_model import (  # noqa: E402
 )
 from specdec.models import cache_dir  # noqa: E402
 from specdec.ttt import (  # noqa: E402
-    extract_features,
     load_train_state,
     sample_anchors,
     save_train_state,

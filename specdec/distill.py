@@ -32,8 +32,8 @@ from specdec.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.models import cache_dir
 from specdec.target import Target
 
-__all__ = ["HELD_OUT", "RECIPE_DATA", "DistilledSeq", "training_conversations", "self_distill", "recipe_data",
-           "target_features"]
+__all__ = ["HELD_OUT", "RECIPE_DATA", "DistilledSeq", "FeatureSeq", "training_conversations", "self_distill",
+           "recipe_data", "target_features", "extract_features"]
 
 # benchmark items never trained on: the first N of each dataset's file order
 HELD_OUT: dict[str, int] = {"mtbench": 40, "humaneval": 82}
@@ -45,6 +45,34 @@ RECIPE_DATA: dict[str, int] = {"n": 512, "max_new_tokens": 256, "seed": 0}
 class DistilledSeq:
     tokens: Tensor  # [T] int64: chat-formatted prompt, then the target's response
     response_start: int  # index of the first response token
+
+
+@dataclass
+class FeatureSeq:
+    tokens: Tensor  # [T] int64
+    response_start: int
+    features: Tensor  # [T, m·D] the chosen hidden states, concatenated in id order
+    final: Tensor  # [T, D] post-norm final hidden state (target logits = lm_head(final))
+
+
+def _save_ragged(path: Path, fields: dict[str, list[Tensor]], response_start: list[int],
+                 metadata: dict[str, str] | None = None) -> None:
+    """Per-sequence tensors concatenated along dim 0 with their offsets, in one safetensors file
+    (written to a temporary name first, so an interrupted run leaves no half file)."""
+    lengths = torch.tensor([0] + [t.shape[0] for t in fields["tokens"]])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file({**{k: torch.cat(v) for k, v in fields.items()}, "offsets": lengths.cumsum(0),
+               "response_start": torch.tensor(response_start)}, str(tmp), metadata=metadata)
+    tmp.replace(path)
+
+
+def _load_ragged(path: Path) -> tuple[dict[str, list[Tensor]], list[int]]:
+    """What :func:`_save_ragged` wrote: each field split back into its sequences."""
+    data = load_file(str(path))
+    off = data.pop("offsets").tolist()
+    starts = data.pop("response_start").tolist()
+    return {k: [v[a:b] for a, b in zip(off[:-1], off[1:])] for k, v in data.items()}, starts
 
 
 def training_conversations(n: int, seed: int = 0, max_chars: int = 2000) -> list[list[dict]]:
@@ -90,10 +118,8 @@ def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 
     key = f"{_model_key(target)}-n{n}-new{max_new_tokens}-s{seed}-p{max_prompt_tokens}"
     file = Path(path) if path else cache_dir() / "distill" / f"{key}.safetensors"
     if file.exists():
-        data = load_file(str(file))
-        tokens, starts = data["tokens"], data["response_start"].tolist()
-        offsets = data["offsets"].tolist()
-        return [DistilledSeq(tokens[a:b].clone(), s) for a, b, s in zip(offsets[:-1], offsets[1:], starts)]
+        fields, starts = _load_ragged(file)
+        return [DistilledSeq(t, s) for t, s in zip(fields["tokens"], starts)]
 
     prompts = [encode_messages(target, c, chat=True)[-max_prompt_tokens:] for c in training_conversations(n, seed)]
     order = sorted(range(n), key=lambda i: len(prompts[i]))
@@ -106,13 +132,8 @@ def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 
         answers.update({i: r.tokens for i, r in zip(idx, out.requests)})
     seqs = [DistilledSeq(torch.tensor(prompts[i] + answers[i], dtype=torch.long), len(prompts[i])) for i in range(n)]
 
-    file.parent.mkdir(parents=True, exist_ok=True)
-    lengths = torch.tensor([0] + [s.tokens.numel() for s in seqs])
-    tmp = file.with_suffix(".tmp")
-    save_file({"tokens": torch.cat([s.tokens for s in seqs]), "offsets": lengths.cumsum(0),
-               "response_start": torch.tensor([s.response_start for s in seqs])}, str(tmp),
-              metadata={"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
-    tmp.replace(file)
+    _save_ragged(file, {"tokens": [s.tokens for s in seqs]}, [s.response_start for s in seqs],
+                 metadata={"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
     return seqs
 
 
@@ -133,3 +154,22 @@ def target_features(target: Target, tokens: Tensor, hs_ids: list[int]) -> tuple[
     hs = out.hidden_states
     picked = torch.stack([hs[i][0] for i in hs_ids], dim=1) if hs_ids else tokens.new_zeros(0)
     return picked, out.last_hidden_state[0]
+
+
+def extract_features(target: Target, seqs: list[DistilledSeq], hs_ids: list[int] | tuple[int, ...],
+                     path: Path | None = None, max_len: int | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> list[FeatureSeq]:
+    """:func:`target_features` of every sequence (cut to ``max_len`` tokens), one at a time (no
+    padding), stored in ``dtype``; cached at ``path`` when given, read back from it when it exists."""
+    if path is not None and path.exists():
+        fields, starts = _load_ragged(path)
+        return [FeatureSeq(t, s, f, h) for t, s, f, h in zip(fields["tokens"], starts, fields["features"], fields["final"])]
+    out = []
+    for s in tqdm(seqs, desc="target features"):
+        tokens = s.tokens[:max_len]
+        hs, final = target_features(target, tokens, list(hs_ids))
+        out.append(FeatureSeq(tokens, s.response_start, hs.flatten(1).to(dtype), final.to(dtype)))
+    if path is not None:
+        _save_ragged(path, {"tokens": [f.tokens for f in out], "features": [f.features for f in out],
+                            "final": [f.final for f in out]}, [f.response_start for f in out])
+    return out

@@ -33,43 +33,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from specdec.distill import DistilledSeq, target_features
-from specdec.target import Target
+from specdec.distill import DistilledSeq, FeatureSeq
 
-__all__ = ["FeatureSeq", "extract_features", "token_counts", "sample_anchors", "TTTResult", "ttt_loss",
+__all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss",
            "save_train_state", "load_train_state"]
-
-
-@dataclass
-class FeatureSeq:
-    tokens: Tensor  # [T] int64
-    response_start: int
-    features: Tensor  # [T, n_layers·D] target layer inputs, concatenated in layer-id order
-    final: Tensor  # [T, D] post-norm final hidden state (target logits = lm_head(final))
-
-
-def extract_features(target: Target, seqs: list[DistilledSeq], layer_ids: tuple[int, ...], path: Path | None = None,
-                     dtype: torch.dtype = torch.bfloat16) -> list[FeatureSeq]:
-    """Target features of every sequence, one sequence at a time (no padding); cached at ``path``."""
-    if path is not None and path.exists():
-        data = load_file(str(path))
-        off, starts = data["offsets"].tolist(), data["response_start"].tolist()
-        return [FeatureSeq(data["tokens"][a:b], s, data["features"][a:b], data["final"][a:b])
-                for a, b, s in zip(off[:-1], off[1:], starts)]
-    out = []
-    for s in tqdm(seqs, desc="target features"):
-        hs, final = target_features(target, s.tokens, list(layer_ids))
-        out.append(FeatureSeq(s.tokens, s.response_start, hs.flatten(1).to(dtype), final.to(dtype)))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        offsets = torch.tensor([0] + [f.tokens.numel() for f in out]).cumsum(0)
-        tmp = path.with_suffix(".tmp")
-        save_file({"tokens": torch.cat([f.tokens for f in out]), "offsets": offsets,
-                   "response_start": torch.tensor([f.response_start for f in out]),
-                   "features": torch.cat([f.features for f in out]), "final": torch.cat([f.final for f in out])},
-                  str(tmp))
-        tmp.replace(path)
-    return out
 
 
 def token_counts(seqs: list[DistilledSeq] | list[FeatureSeq], vocab_size: int) -> Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from specdec.config import DatasetConfig
 from specdec.datasets import load_dataset
-from specdec.distill import HELD_OUT, self_distill, target_features, training_conversations
+from specdec.distill import HELD_OUT, extract_features, self_distill, target_features, training_conversations
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 
 
@@ -48,3 +48,12 @@ def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path)
     torch.testing.assert_close(smollm2.lm_head(final), out.logits[0])
     with pytest.raises(ValueError, match="outside"):
         target_features(smollm2, seqs[0].tokens, [smollm2.num_layers + 1])
+
+    cached = tmp_path / "f.safetensors"
+    feats = extract_features(smollm2, seqs, [2, 5], cached, max_len=9, dtype=torch.float32)
+    assert cached.exists() and all(f.tokens.numel() == min(9, s.tokens.numel()) for f, s in zip(feats, seqs))
+    torch.testing.assert_close(feats[0].features, target_features(smollm2, seqs[0].tokens[:9], [2, 5])[0].flatten(1))
+    # read back, not recomputed: the file holds float32, a recomputation would give bfloat16
+    for a, b in zip(feats, extract_features(smollm2, seqs, [2, 5], cached)):
+        assert torch.equal(a.tokens, b.tokens) and a.response_start == b.response_start
+        assert torch.equal(a.features, b.features) and torch.equal(a.final, b.final)

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 import specdec
 from specdec import SamplingParams
+from specdec.distill import FeatureSeq
 from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from specdec.drafters.eagle3_checkpoint import load_eagle3, save_eagle3, serving_config
 from specdec.drafters.eagle3_model import default_layer_ids, vocab_map
@@ -23,7 +24,7 @@ from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.testing import Recording
 from specdec.tiny import tiny_model
-from specdec.ttt import FeatureSeq, load_train_state, save_train_state, ttt_loss
+from specdec.ttt import load_train_state, save_train_state, ttt_loss
 from specdec.types import node_depths
 from specdec.verifiers import GreedyVerifier, RejectionVerifier
 
