@@ -32,7 +32,7 @@ from torch import Tensor
 
 from specdec.drafter import Drafter
 from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel, ContextKV, build_target_layer_ids
-from specdec.sampling import RowSampling, sample_from
+from specdec.sampling import RowSampling
 from specdec.target import Target, layer_output_ids
 from specdec.types import Committed, DraftProposal, Requirements
 
@@ -195,7 +195,4 @@ class DFlashDrafter(BlockDrafter):
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
         hidden = self.block_hidden(state, k + 1)[:, 1:]  # position j drafts the token at P + j
         logits = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
-        if self.greedy_draft or rows.all_greedy:
-            return DraftProposal.chain(logits.argmax(-1))
-        q = rows.probs(logits)
-        return DraftProposal.chain(sample_from(q, rows.draft_uniform(k)), q)
+        return DraftProposal.chain(*rows.draw(logits, self.greedy_draft or rows.all_greedy))

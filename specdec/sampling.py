@@ -174,10 +174,10 @@ class RowSampling:
         return sample_from(probs, self.draft_uniform())
 
     def draw(self, logits: Tensor, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """One draft token per row from draft logits [B, V] and the q it was drawn from: a
-        sample of the warped distribution, or the argmax with q None (deterministic) when
-        ``greedy``. Returns ([B], [B, V] | None)."""
+        """Draft tokens from draft logits [B, ..., V] (one per row, or one per position of a
+        block drafted at once) and the q they were drawn from: samples of the warped distribution,
+        or the argmaxes with q None (deterministic) when ``greedy``. Returns ([B, ...], q | None)."""
         if greedy:
             return logits.argmax(-1), None
         q = self.probs(logits)
-        return self.sample(q), q
+        return sample_from(q, self.draft_uniform(*q.shape[1:-1])), q
