@@ -217,7 +217,6 @@ CHECKPOINT = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").exists(), reason="checkpoint not trained yet")
 def test_committed_smollm2_checkpoint_is_accepted(smollm2):
     target = smollm2
     d = DSparkDrafter.create(target, checkpoint=str(CHECKPOINT))
