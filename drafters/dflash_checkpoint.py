@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel
+from specdec.models import safetensors_files
 
 __all__ = ["config_from_dict", "load_block_draft", "save_block_draft", "LAYOUTS"]
 
@@ -104,24 +105,13 @@ def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
                             block_size=int(c.get("block_size", 16)))
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    return files
-
-
 def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> BlockDraftModel:
     """The draft network of a checkpoint folder in any supported layout."""
     folder = Path(folder)
     cfg = config_from_dict(json.loads((folder / "config.json").read_text()))
     model = BlockDraftModel(cfg)
     state: dict[str, torch.Tensor] = {}
-    for f in _weight_files(folder):
+    for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 name = key.removeprefix("model.")

@@ -30,6 +30,7 @@ from transformers import LlamaConfig
 
 from specdec.drafters.eagle3_model import Eagle3Model, Eagle3Spec, default_layer_ids
 from specdec.drafters.eagle3_tree import DEFAULT_STATIC_TREE, StaticTree, parse_tree
+from specdec.models import safetensors_files
 
 __all__ = ["load_eagle3", "save_eagle3", "serving_config", "read_weights"]
 
@@ -40,13 +41,8 @@ _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_
 
 def read_weights(folder: Path) -> dict[str, Tensor]:
     """Every tensor of the folder's safetensors files (one file or an indexed set of shards)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
-            raise ValueError(f"{folder} holds only pickled weights; convert them to safetensors first")
-        raise FileNotFoundError(f"no safetensors weights in {folder}")
     weights: dict[str, Tensor] = {}
-    for f in files:
+    for f in safetensors_files(folder):
         weights.update(load_file(str(f)))
     return weights
 

@@ -10,6 +10,7 @@ second. Remote code is never trusted unless ``trust_remote_code=True`` is passed
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-__all__ = ["ALIASES", "load_model", "cache_dir", "hub_reachable"]
+__all__ = ["ALIASES", "load_model", "cache_dir", "hub_reachable", "safetensors_files"]
 
 ALIASES: dict[str, dict[str, str]] = {
     "smollm2-135m": {
@@ -30,6 +31,21 @@ ALIASES: dict[str, dict[str, str]] = {
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The weight files of a checkpoint folder: the shards its ``model.safetensors.index.json``
+    lists, else every ``*.safetensors``. Pickled weights are refused, never unpickled."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            raise ValueError(f"{folder} holds only pickled weights; convert them to safetensors first")
+        raise FileNotFoundError(f"no safetensors weights in {folder}")
+    return files
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:
