@@ -20,12 +20,12 @@ if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to anothe
     )
 
 from specdec.drafter import Drafter
-from specdec.drafters.dflash import DFlashDrafter
+from specdec.drafters.dflash.drafter import DFlashDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.eagle3 import Eagle3Drafter
-from specdec.drafters.dspark import DSparkDrafter
-from specdec.drafters.gemma_mtp import GemmaMTPDrafter
-from specdec.drafters.mtp import MTPDrafter
+from specdec.drafters.eagle3.drafter import Eagle3Drafter
+from specdec.drafters.dspark.drafter import DSparkDrafter
+from specdec.drafters.gemma_mtp.drafter import GemmaMTPDrafter
+from specdec.drafters.mtp.drafter import MTPDrafter
 from specdec.drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {

@@ -121,7 +121,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> DraftModelDrafter:
-        from specdec.tiny import tiny_model
+        from specdec.testing.tiny import tiny_model
 
         seed = overrides.pop("seed", 1)
         model = tiny_model("llama", vocab_size=target.vocab_size, num_hidden_layers=1, seed=seed,

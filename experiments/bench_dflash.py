@@ -1,7 +1,7 @@
 """DFlash and DSpark drafting for SmolLM2-135M-Instruct: acceptance and wall-clock speedup.
 
 On the first ``--prompts`` MT-bench first turns and HumanEval prompts (both held out from the
-drafters' training data, :data:`specdec.distill.HELD_OUT`), greedy and at temperature 1, batch
+drafters' training data, :data:`specdec.training.data.HELD_OUT`), greedy and at temperature 1, batch
 size 1, in one process, it runs autoregressive decoding (the same loop, no drafter) and:
 
 - ``dflash b=4/8/16``: the committed DFlash drafter (trained at block 8) at ``k = b − 1`` drafts
@@ -30,11 +30,11 @@ import torch
 torch.set_num_threads(1)  # the 2 cores are shared; 2 threads under contention are much slower
 
 import specdec  # noqa: E402
-from specdec.bench import encode_turn  # noqa: E402
-from specdec.config import DatasetConfig  # noqa: E402
-from specdec.datasets import load_dataset  # noqa: E402
-from specdec.drafters.dflash import DFlashDrafter  # noqa: E402
-from specdec.drafters.dspark import DSparkDrafter  # noqa: E402
+from specdec.eval.runner import encode_turn  # noqa: E402
+from specdec.eval.config import DatasetConfig  # noqa: E402
+from specdec.eval.datasets import load_dataset  # noqa: E402
+from specdec.drafters.dflash.drafter import DFlashDrafter  # noqa: E402
+from specdec.drafters.dspark.drafter import DSparkDrafter  # noqa: E402
 from specdec.loop import Request, run  # noqa: E402
 from specdec.metrics import summarize  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402

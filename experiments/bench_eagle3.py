@@ -1,7 +1,7 @@
 """EAGLE-3 on SmolLM2: chains and trees against autoregressive decoding, greedy and sampled.
 
 On held-out MT-bench first turns (the first ``--prompts`` questions, never trained on; see
-:data:`specdec.distill.HELD_OUT`) under the chat template, batch size 1, one torch thread, it runs
+:data:`specdec.training.data.HELD_OUT`) under the chat template, batch size 1, one torch thread, it runs
 autoregressive decoding (``drafter=None``, the same loop) and the committed drafter
 ``experiments/checkpoints/smollm2-135m-eagle3`` as chains ``k = 3, 5, 7``, a static tree and dynamic
 (EAGLE-2) trees, at temperature 0 and 0.7. Methods are interleaved per prompt after a warm-up, so
@@ -27,9 +27,9 @@ from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.api import encode_messages  # noqa: E402
-from specdec.config import DatasetConfig  # noqa: E402
-from specdec.datasets import load_dataset  # noqa: E402
-from specdec.drafters.eagle3 import DEFAULT_STATIC_TREE, Eagle3Drafter  # noqa: E402
+from specdec.eval.config import DatasetConfig  # noqa: E402
+from specdec.eval.datasets import load_dataset  # noqa: E402
+from specdec.drafters.eagle3.drafter import DEFAULT_STATIC_TREE, Eagle3Drafter  # noqa: E402
 from specdec.metrics import summarize  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 

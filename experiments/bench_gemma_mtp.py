@@ -22,8 +22,8 @@ torch.set_num_threads(1)  # the 2 cores are shared; 2 threads under contention a
 from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.config import DatasetConfig  # noqa: E402
-from specdec.datasets import load_dataset  # noqa: E402
+from specdec.eval.config import DatasetConfig  # noqa: E402
+from specdec.eval.datasets import load_dataset  # noqa: E402
 from specdec.metrics import summarize  # noqa: E402
 
 CHECKPOINT = Path(__file__).parent / "checkpoints" / "smollm2-135m-gemma-mtp"

@@ -29,9 +29,9 @@ torch.set_num_threads(1)  # the 2 cores are shared; 2 threads under contention a
 from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.drafters.mtp import MTPDrafter  # noqa: E402
+from specdec.drafters.mtp.drafter import MTPDrafter  # noqa: E402
 from specdec.metrics import summarize  # noqa: E402
-from specdec.training import stdlib_files  # noqa: E402
+from specdec.training.text import stdlib_files  # noqa: E402
 
 CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-deepseek-v3-mtp"
 

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.drafters.eagle3_checkpoint import serving_config
+from specdec.drafters.eagle3.checkpoint import serving_config
 
 
 def main() -> None:

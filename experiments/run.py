@@ -6,7 +6,7 @@
     .venv/bin/python experiments/run.py target=tiny dataset=random dataset.num_prompts=4   # seconds
 
 Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``. They compose
-onto ``specdec.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
+onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
 ``OmegaConf.to_object``: types are checked, unknown keys fail, and the library sees only its own
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
 ``config.yaml`` (resolved), ``config.json`` (the same plus git SHA and versions), ``requests.jsonl``,
@@ -26,8 +26,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from specdec.bench import run_experiment
-from specdec.config import RunConfig
+from specdec.eval.runner import run_experiment
+from specdec.eval.config import RunConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)

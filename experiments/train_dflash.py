@@ -1,10 +1,10 @@
 """Train a DFlash or DSpark block drafter for a frozen target, offline, on one CPU thread.
 
-Data: the target's own greedy answers to offline prompts (:func:`specdec.distill.self_distill`,
+Data: the target's own greedy answers to offline prompts (:func:`specdec.training.data.self_distill`,
 cached). The target runs once over each sequence for its layer outputs at ``target_layer_ids``
 and its post-norm final hidden state (cached under ``cache_dir()/block_features/``, shared by both
 methods). Each step takes ``--batch`` sequences and ``--anchors`` random anchors in each
-response and runs all blocks in one masked forward (:mod:`specdec.block_training`).
+response and runs all blocks in one masked forward (:mod:`specdec.drafters.dflash.train`).
 
     # the committed checkpoints (about 20 and 27 min on one shared thread)
     .venv/bin/python experiments/train_dflash.py --method dflash --steps 250 --lr 1.5e-3
@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 import specdec
-from specdec.bench import git_sha
-from specdec.block_training import BlockBatch, block_loss, sample_anchors
-from specdec.distill import FeatureSeq, extract_features, self_distill
-from specdec.drafters.dflash_checkpoint import save_block_draft
-from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
-from specdec.drafters.dspark_heads import calibrate_temperatures, expected_calibration_error
+from specdec.eval.runner import git_sha
+from specdec.drafters.dflash.train import BlockBatch, block_loss, sample_anchors
+from specdec.training.data import FeatureSeq, extract_features, self_distill
+from specdec.drafters.dflash.checkpoint import save_block_draft
+from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
+from specdec.drafters.dspark.heads import calibrate_temperatures, expected_calibration_error
 from specdec.models import cache_dir
 from specdec.target import layer_output_ids
 

@@ -1,6 +1,6 @@
-"""Train an EAGLE-3 drafter for a frozen target with training-time test (:mod:`specdec.ttt`), offline.
+"""Train an EAGLE-3 drafter for a frozen target with training-time test (:mod:`specdec.drafters.eagle3.train`), offline.
 
-Data: :func:`specdec.distill.recipe_data`, the target's own greedy responses to ShareGPT, MT-bench
+Data: :func:`specdec.training.data.recipe_data`, the target's own greedy responses to ShareGPT, MT-bench
 and HumanEval prompts (benchmark items held out). Target features (inputs of layers
 ``(2, L//2, L-3)``) and post-norm final hidden states are computed once in bf16 and cached. The
 draft vocabulary is the ``--draft-vocab`` most frequent response tokens (``d2t``/``t2d``). The
@@ -30,10 +30,10 @@ torch.set_num_threads(1)  # the 2 cores are shared
 from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.bench import git_sha  # noqa: E402
-from specdec.distill import RECIPE_DATA, extract_features, recipe_data  # noqa: E402
-from specdec.drafters.eagle3_checkpoint import save_eagle3  # noqa: E402
-from specdec.drafters.eagle3_model import (  # noqa: E402
+from specdec.eval.runner import git_sha  # noqa: E402
+from specdec.training.data import RECIPE_DATA, extract_features, recipe_data  # noqa: E402
+from specdec.drafters.eagle3.checkpoint import save_eagle3  # noqa: E402
+from specdec.drafters.eagle3.model import (  # noqa: E402
     Eagle3Model,
     Eagle3Spec,
     default_layer_ids,
@@ -41,7 +41,7 @@ from specdec.drafters.eagle3_model import (  # noqa: E402
     vocab_map,
 )
 from specdec.models import cache_dir  # noqa: E402
-from specdec.ttt import (  # noqa: E402
+from specdec.drafters.eagle3.train import (  # noqa: E402
     load_train_state,
     sample_anchors,
     save_train_state,

@@ -33,9 +33,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specdec
-from specdec.bench import git_sha
-from specdec.datasets import packaged_file, read_sharegpt
-from specdec.drafters.gemma_mtp import assistant_config, kv_source_layers
+from specdec.eval.runner import git_sha
+from specdec.eval.datasets import packaged_file, read_sharegpt
+from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layers
 from specdec.target import Target
 
 

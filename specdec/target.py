@@ -12,6 +12,7 @@ last layer before the final norm. DFlash/DSpark name layers by their *output*; c
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -21,12 +22,24 @@ from transformers import PreTrainedModel
 from specdec.cache import RaggedCache
 from specdec.types import Requirements, chain_parents
 
-__all__ = ["Target", "TargetSession", "TargetOutput", "layer_output_ids"]
+__all__ = ["Target", "TargetSession", "TargetOutput", "LayerSpec", "layer_output_ids"]
 
 
 def layer_output_ids(ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """Convert "output of layer i" ids (DFlash, DSpark) to this library's "input of layer i+1"."""
     return tuple(i + 1 for i in ids)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a drafter may know of one target decoder layer, without touching the module."""
+
+    index: int
+    layer_type: str  # "full_attention", "sliding_attention", ...
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None  # None: the layer keeps no per-head K/V a drafter can read (MLA)
+    sliding_window: int | None
 
 
 @dataclass
@@ -91,6 +104,71 @@ class Target:
                 continue
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
         return ids
+
+    # --- the seam drafters use: nothing else of the wrapped model is theirs to touch --------
+    def embed(self, tokens: Tensor) -> Tensor:
+        """Input embeddings of token ids [..] → [.., D] (with any scaling the model applies)."""
+        return self.embed_tokens(tokens)
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """One :class:`LayerSpec` per decoder layer, read from the layer modules and config."""
+        tc = self.text_config
+        specs = []
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            readable = attn is not None and hasattr(attn, "head_dim") and hasattr(attn, "k_proj")
+            layer_type = self.layer_types[i] if self.layer_types else "full_attention"
+            specs.append(LayerSpec(
+                index=i, layer_type=layer_type, num_heads=int(tc.num_attention_heads),
+                num_kv_heads=int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads),
+                head_dim=int(attn.head_dim) if readable else None,
+                sliding_window=self.sliding_window if layer_type == "sliding_attention" else None))
+        return specs
+
+    def has_rotary(self) -> bool:
+        """Whether the decoder owns one rotary embedding (Llama, Qwen3, Gemma, DeepSeek-V3)."""
+        return getattr(self.decoder, "rotary_emb", None) is not None
+
+    def rotary(self, x: Tensor, positions: Tensor, layer_type: str | None = None) -> tuple[Tensor, Tensor]:
+        """The target's own (cos, sin) for ``positions`` [B, m], in ``x``'s dtype; ``layer_type``
+        picks the per-type RoPE of families that have one (Gemma 3/4)."""
+        if not self.has_rotary():
+            raise ValueError(f"{type(self.model).__name__} has no shared rotary embedding")
+        rotary_emb = self.decoder.rotary_emb
+        if layer_type is not None and "layer_type" in inspect.signature(rotary_emb.forward).parameters:
+            return rotary_emb(x, positions, layer_type=layer_type)
+        return rotary_emb(x, positions)
+
+    def new_layer(self, config, layer_idx: int) -> nn.Module:
+        """A freshly initialised decoder layer of the target's family built from ``config`` (MTP
+        modules are the target's own layer type), initialised as the model initialises its own."""
+        layer = type(self.layers[-1])(config, layer_idx)
+        self.init_weights(layer)
+        return layer
+
+    def new_norm(self, size: int, eps: float) -> nn.Module:
+        """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...)."""
+        norm = type(self.final_norm)(size, eps=eps)
+        self.init_weights(norm)
+        return norm
+
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialise every submodule of ``module`` the way the target's model initialises its own."""
+        init = getattr(self.model, "_init_weights", None)
+        if init is None:
+            return
+        for m in module.modules():
+            init(m)
+
+    @torch.no_grad()  # not inference_mode: training code uses these tensors next to autograd
+    def features(self, tokens: Tensor, layer_inputs: list[int] | tuple[int, ...] = ()) -> tuple[dict[int, Tensor], Tensor]:
+        """A cache-free forward over ``tokens`` [B, T]: the inputs of the layers ``layer_inputs``
+        (id ``L`` = last layer's output before the norm) as {id: [B, T, D]}, and the post-norm
+        final hidden state [B, T, D] (``target.logits`` of it gives the target's logits)."""
+        if any(not 0 <= i <= self.num_layers for i in layer_inputs):
+            raise ValueError(f"hidden-state ids {list(layer_inputs)} outside [0, {self.num_layers}]")
+        out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        return {i: out.hidden_states[i] for i in layer_inputs}, out.last_hidden_state
 
     def request(self, req: Requirements) -> None:
         """Capture, from now on, the union of what was asked so far."""

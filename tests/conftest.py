@@ -23,7 +23,7 @@ torch.set_num_threads(1)  # tiny models: threads cost more than they give
 from specdec.drafters import DRAFTERS, DraftModelDrafter  # noqa: E402
 from specdec.target import Target  # noqa: E402
 from specdec.testing import RandomDrafter  # noqa: E402
-from specdec.tiny import tiny_model  # noqa: E402
+from specdec.testing.tiny import tiny_model  # noqa: E402
 
 VOCAB = 32
 

@@ -8,7 +8,7 @@ import torch
 import specdec
 from specdec.loop import Request, run
 from specdec.target import Target
-from specdec.tiny import tiny_model
+from specdec.testing.tiny import tiny_model
 from specdec.types import DraftProposal
 from specdec.verifiers import RejectionVerifier
 

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from specdec.config import DatasetConfig
-from specdec.datasets import PACKAGED, load_dataset, packaged_file, random_prompts, read_sharegpt
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import PACKAGED, load_dataset, packaged_file, random_prompts, read_sharegpt
 
 
 def _need(name: str) -> None:

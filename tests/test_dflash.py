@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdec.drafters.dflash import DFlashDrafter
-from specdec.drafters.dflash_hf import to_transformers
-from specdec.drafters.dflash_checkpoint import config_from_dict, load_block_draft, save_block_draft
-from specdec.drafters.dflash_model import BlockDraftModel, ContextKV, build_target_layer_ids
+from specdec.drafters.dflash.drafter import DFlashDrafter
+from specdec.drafters.dflash.peer import to_transformers
+from specdec.drafters.dflash.checkpoint import config_from_dict, load_block_draft, save_block_draft
+from specdec.drafters.dflash.model import BlockDraftModel, ContextKV, build_target_layer_ids
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target, layer_output_ids
-from specdec.tiny import tiny_model
+from specdec.testing.tiny import tiny_model
 from specdec.types import Committed
 
 
@@ -206,7 +206,7 @@ def test_bad_inputs_raise(target, tmp_path):
 
 
 def test_training_blocks_see_only_context_before_their_anchor(target):
-    from specdec.block_training import BlockBatch, block_loss
+    from specdec.drafters.dflash.train import BlockBatch, block_loss
 
     d = DFlashDrafter.tiny(target)
     cfg, T = d.cfg, 12
@@ -253,7 +253,7 @@ def test_committed_smollm2_checkpoint_is_accepted(smollm2):
 def test_training_forward_equals_the_drafters_block_pass(target):
     """Each training block computes exactly what the drafter computes at inference from the
     committed prefix before its anchor."""
-    from specdec.block_training import BlockBatch, block_forward
+    from specdec.drafters.dflash.train import BlockBatch, block_forward
 
     d = DFlashDrafter.tiny(target)
     tokens = [3, 5, 7, 11, 2, 9, 1, 4, 6, 8, 10, 12]

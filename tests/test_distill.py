@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.config import DatasetConfig
-from specdec.datasets import load_dataset
-from specdec.distill import HELD_OUT, extract_features, self_distill, target_features, training_conversations
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import load_dataset
+from specdec.training.data import HELD_OUT, extract_features, self_distill, target_features, training_conversations
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 
 

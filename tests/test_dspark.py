@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.drafters.dflash_checkpoint import load_block_draft, save_block_draft
-from specdec.drafters.dspark import DSparkDrafter
-from specdec.drafters.dspark_heads import (
+from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
+from specdec.drafters.dspark.drafter import DSparkDrafter
+from specdec.drafters.dspark.heads import (
     MarkovHead,
     calibrate_temperatures,
     expected_calibration_error,
@@ -20,7 +20,7 @@ from specdec.drafters.dspark_heads import (
 )
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
-from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 from specdec.verifiers import GreedyVerifier
 
@@ -203,7 +203,7 @@ def test_reads_and_writes_the_deepspec_layout(target, tmp_path):
 
 
 def test_bad_inputs_raise(target):
-    from specdec.drafters.dflash import DFlashDrafter
+    from specdec.drafters.dflash.drafter import DFlashDrafter
 
     with pytest.raises(ValueError, match="anchor"):
         DSparkDrafter(DFlashDrafter.tiny(target).model)
@@ -233,7 +233,7 @@ def test_scheduler_is_lossless_sampled(target, monkeypatch):
     """χ² of sampled output with the prefix scheduler on: it only shortens what is verified, so the
     output must still be distributed as the target's (the conformance suite leaves the scheduler
     out because it couples a row's random stream to its batch, not its distribution)."""
-    import specdec.drafters.dspark as dspark_module
+    import specdec.drafters.dspark.drafter as dspark_module
     from specdec.testing import sampled_gof
     from specdec.verifiers import RejectionVerifier
 

@@ -14,17 +14,17 @@ from safetensors.torch import save_file
 
 import specdec
 from specdec import SamplingParams
-from specdec.distill import FeatureSeq
-from specdec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from specdec.drafters.eagle3_checkpoint import load_eagle3, save_eagle3, serving_config
-from specdec.drafters.eagle3_model import default_layer_ids, vocab_map
-from specdec.drafters.eagle3_tree import MAX_TREE_DEPTH, parse_tree, rerank
+from specdec.training.data import FeatureSeq
+from specdec.drafters.eagle3.drafter import Eagle3Config, Eagle3Drafter
+from specdec.drafters.eagle3.checkpoint import load_eagle3, save_eagle3, serving_config
+from specdec.drafters.eagle3.model import default_layer_ids, vocab_map
+from specdec.drafters.eagle3.tree import MAX_TREE_DEPTH, parse_tree, rerank
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.testing import Recording
-from specdec.tiny import tiny_model
-from specdec.ttt import load_train_state, save_train_state, ttt_loss
+from specdec.testing.tiny import tiny_model
+from specdec.drafters.eagle3.train import load_train_state, save_train_state, ttt_loss
 from specdec.types import node_depths
 from specdec.verifiers import GreedyVerifier, RejectionVerifier
 

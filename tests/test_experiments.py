@@ -20,8 +20,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from specdec.bench import predicted_speedup, run_experiment
-from specdec.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.runner import predicted_speedup, run_experiment
+from specdec.eval.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
 from specdec.drafters import DRAFTERS
 from specdec.sampling import SamplingParams
 
@@ -222,8 +222,8 @@ def test_predicted_speedup_formula():
 
 
 def test_second_turns_follow_the_methods_own_answer():
-    from specdec.bench import encode_turn
-    from specdec.datasets import Sample
+    from specdec.eval.runner import encode_turn
+    from specdec.eval.datasets import Sample
 
     class Tok:  # a chat-template tokenizer stub: one id per message character count
         chat_template = "stub"

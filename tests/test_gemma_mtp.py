@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.drafters.gemma_mtp import GemmaMTPDrafter, kv_source_layers, sparse_logits, tiny_assistant
+from specdec.drafters.gemma_mtp.drafter import GemmaMTPDrafter, kv_source_layers, sparse_logits, tiny_assistant
 from specdec.loop import Request, run
 from specdec.target import Target
 from specdec.testing import Recording
-from specdec.tiny import tiny_model
+from specdec.testing.tiny import tiny_model
 from specdec.verifiers import GreedyVerifier
 
 

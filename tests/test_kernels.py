@@ -171,8 +171,8 @@ def test_norm_concat_linear_kernel_matches_reference(dtype, tol):
 
 def test_mtp_draft_input_is_the_fused_function():
     """The MTP module's draft input equals eh_proj(cat[enorm, hnorm]), through either path."""
-    from specdec.drafters.mtp import build_mtp_modules
-    from specdec.tiny import tiny_model
+    from specdec.drafters.mtp.drafter import build_mtp_modules
+    from specdec.testing.tiny import tiny_model
 
     module = build_mtp_modules(tiny_model("deepseek_v3", vocab_size=48, seed=3), 1)[0]
     e, h = torch.randn(2, 3, module.eh_proj.in_features // 2), torch.randn(2, 3, module.eh_proj.in_features // 2)

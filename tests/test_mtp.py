@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 import specdec
-from specdec.drafters import mtp_checkpoint
-from specdec.drafters.mtp import MTPConfig, MTPDrafter, build_mtp_modules, module_for_step
-from specdec.drafters.mtp_checkpoint import from_checkpoint_layout, load_mtp_modules, to_checkpoint_layout
+from specdec.drafters.mtp import checkpoint as mtp_checkpoint
+from specdec.drafters.mtp.drafter import MTPConfig, MTPDrafter, build_mtp_modules, module_for_step
+from specdec.drafters.mtp.checkpoint import from_checkpoint_layout, load_mtp_modules, to_checkpoint_layout
 from specdec.loop import Request, run
 from specdec.target import Target
 from specdec.testing import Recording, assert_greedy_equivalent, greedy_reference, sampled_gof
-from specdec.tiny import tiny_model
+from specdec.testing.tiny import tiny_model
 from specdec.verifiers import GreedyVerifier, RejectionVerifier
 
 CHECKPOINT = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
@@ -180,7 +180,7 @@ def trained() -> Target:
 
 
 def _heldout_prompts(target: Target, n: int = 3, length: int = 48) -> list[list[int]]:
-    from specdec.training import stdlib_files
+    from specdec.training.text import stdlib_files
 
     files = stdlib_files("heldout")[:n]
     return [target.tokenizer.encode(f.read_text())[:length] for f in files]

@@ -31,7 +31,7 @@ def test_namespaced_packages_import():
 
 
 def test_demo_finds_every_committed_smollm2_drafter():
-    from specdec.demo import SMOLLM2_DRAFTERS, drafter_options
+    from specdec.eval.demo import SMOLLM2_DRAFTERS, drafter_options
     from specdec.drafters import DRAFTERS
 
     assert set(SMOLLM2_DRAFTERS) <= set(DRAFTERS)

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.target import Target, layer_output_ids
-from specdec.tiny import FAMILIES, tiny_model
+from specdec.testing.tiny import FAMILIES, tiny_model
 from specdec.types import Requirements
 
 

@@ -2,11 +2,11 @@
 
 The draft reads the target's residual stream at the input of three layers (default
 ``(2, L//2, L-3)``, ``Requirements.layer_inputs``), fuses it with ``fc`` and runs one decoder layer
-(:mod:`specdec.drafters.eagle3_model`). Context slot ``i`` reads ``emb(t_{i+1})`` and the target's
+(:mod:`specdec.drafters.eagle3.model`). Context slot ``i`` reads ``emb(t_{i+1})`` and the target's
 features at ``t_i``, at position ``i``; its output predicts ``t_{i+2}``. A draft node at depth
 ``j`` reads its own token and its parent's output (the draft's own hidden state), at position
 ``P + j - 1`` for ``P`` committed slots: exactly what training-time test unrolls
-(:mod:`specdec.ttt`).
+(:mod:`specdec.drafters.eagle3.train`).
 
 **Draft KV cache.** A :class:`~specdec.cache.RaggedCache` holds the context slots, each computed
 from target features. Draft nodes keep their K/V in a per-proposal tree buffer and attend to the
@@ -22,7 +22,7 @@ they pass half the cache.
   ``r``'s q is that distribution renormalised without its earlier siblings (one-hot on the best
   remaining draft token once the warped mass is used up), which :mod:`specdec.verifiers.walk`
   verifies exactly. Greedy: the top-``c`` tokens, q None.
-- ``tree="dynamic"``: EAGLE-2 (:func:`~specdec.drafters.eagle3_tree.rerank`), depth ``k``,
+- ``tree="dynamic"``: EAGLE-2 (:func:`~specdec.drafters.eagle3.tree.rerank`), depth ``k``,
   ``tree_top_k`` children per expanded node, ``tree_budget`` nodes; always deterministic (q None),
   since which sampled node to keep would depend on the draws themselves.
 
@@ -40,8 +40,8 @@ from torch import Tensor
 
 from specdec.cache import RaggedCache
 from specdec.drafter import Drafter
-from specdec.drafters.eagle3_model import Eagle3Model, Eagle3Spec, attend, draft_layer_config
-from specdec.drafters.eagle3_tree import DEFAULT_STATIC_TREE, StaticTree, chain_tree, parse_tree, rerank
+from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, attend, draft_layer_config
+from specdec.drafters.eagle3.tree import DEFAULT_STATIC_TREE, StaticTree, chain_tree, parse_tree, rerank
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements, chain_parents
@@ -109,7 +109,7 @@ class Eagle3Drafter(Drafter):
         if model is None:
             if not config.checkpoint:
                 raise ValueError("eagle3 needs `checkpoint`: a speculators or SafeAILab EAGLE-3 folder")
-            from specdec.drafters.eagle3_checkpoint import load_eagle3
+            from specdec.drafters.eagle3.checkpoint import load_eagle3
 
             model = load_eagle3(config.checkpoint, target.num_layers)
         d = cls(model, config)

@@ -131,7 +131,7 @@ def to_checkpoint_layout(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def load_mtp_modules(target_model: nn.Module, folder: str | Path) -> nn.ModuleList:
     """The MTP modules stored in ``folder`` for ``target_model``, reading only their tensors."""
-    from specdec.drafters.mtp import build_mtp_modules
+    from specdec.drafters.mtp.drafter import build_mtp_modules
 
     L, depth = read_mtp_layout(folder)
     target_layers = target_model.config.get_text_config().num_hidden_layers

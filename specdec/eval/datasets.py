@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.config import DatasetConfig
+from specdec.eval.config import DatasetConfig
 
 __all__ = ["Sample", "load_dataset", "random_prompts", "read_sharegpt", "packaged_file", "PACKAGED"]
 

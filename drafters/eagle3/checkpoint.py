@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import LlamaConfig
 
-from specdec.drafters.eagle3_model import Eagle3Model, Eagle3Spec, default_layer_ids
-from specdec.drafters.eagle3_tree import DEFAULT_STATIC_TREE, StaticTree, parse_tree
+from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids
+from specdec.drafters.eagle3.tree import DEFAULT_STATIC_TREE, StaticTree, parse_tree
 from specdec.models import safetensors_files
 
 __all__ = ["load_eagle3", "save_eagle3", "serving_config", "read_weights"]

@@ -9,14 +9,14 @@ previous output, not the target's features. For a sequence ``t_0..t_{T-1}`` with
 
 Step ``s`` at anchor ``a`` attends to the step-0 slots ``<= a`` (the context, built from target
 features) and to its own earlier steps at that anchor: exactly the cache plus the chain of
-ancestors that :class:`specdec.drafters.eagle3.Eagle3Drafter` attends to. Only step 0's keys and
+ancestors that :class:`specdec.drafters.eagle3.drafter.Eagle3Drafter` attends to. Only step 0's keys and
 values are needed at every slot (they depend on the inputs alone), so the full layer runs on a
 random subset of anchors, which makes training on one CPU thread affordable.
 
 Loss: soft cross-entropy against the target distribution restricted to the draft vocabulary,
 ``Σ_s 0.8^s · CE_s``; positions whose target argmax lies outside the draft vocabulary are masked,
 as are positions before the response (the draft is served on responses). Features and data come
-from :mod:`specdec.distill` (the target's own responses); they are cached on disk.
+from :mod:`specdec.training.data` (the target's own responses); they are cached on disk.
 
 Checkpoints for resuming are safetensors only (model, optimizer moments, step, generator state).
 """
@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from specdec.distill import DistilledSeq, FeatureSeq
+from specdec.training.data import DistilledSeq, FeatureSeq
 
 __all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss",
            "save_train_state", "load_train_state"]
@@ -66,7 +66,7 @@ class TTTResult:
 
 def ttt_loss(model: nn.Module, embed: nn.Module, head: Tensor, in_draft: Tensor, seq: FeatureSeq,
              anchors: Tensor, steps: int = 7, decay: float = 0.8) -> TTTResult:
-    """The TTT loss of an :class:`~specdec.drafters.eagle3_model.Eagle3Model` on one sequence.
+    """The TTT loss of an :class:`~specdec.drafters.eagle3.model.Eagle3Model` on one sequence.
 
     ``head`` [Vd, D] holds the target's LM-head rows of the draft vocabulary (in draft-id order),
     ``in_draft`` [V] is ``t2d``; ``anchors`` [A] from :func:`sample_anchors`.

@@ -27,8 +27,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from specdec.config import DatasetConfig
-from specdec.datasets import load_dataset, packaged_file, read_sharegpt
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.models import cache_dir
 from specdec.target import Target
 

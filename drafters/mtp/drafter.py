@@ -31,7 +31,7 @@ branches as one tree block over its committed slots.
 **Checkpoints.** MTP modules are stored after the main layers, ``model.layers.{L+d}.*`` with
 ``num_nextn_predict_layers`` (alias ``num_mtp_layers``) in ``config.json``; only those keys are
 read, through the ``weight_map`` of ``model.safetensors.index.json`` when sharded, so a 671B
-checkpoint is never loaded whole. Layout conversion is in :mod:`specdec.drafters.mtp_checkpoint`.
+checkpoint is never loaded whole. Layout conversion is in :mod:`specdec.drafters.mtp.checkpoint`.
 
 Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabulary, ``K`` branches.
 """
@@ -173,7 +173,7 @@ class MTPDrafter(Drafter):
         modules = options.pop("modules", None)
         config = MTPConfig(**options)
         if modules is None:
-            from specdec.drafters.mtp_checkpoint import load_mtp_modules
+            from specdec.drafters.mtp.checkpoint import load_mtp_modules
 
             folder = config.checkpoint or getattr(target.config, "_name_or_path", "")
             if not folder or not Path(folder).is_dir():

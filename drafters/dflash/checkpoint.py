@@ -20,7 +20,7 @@ All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k
 
 Embeddings and LM head, when a file carries them, are skipped: the target's are used. An
 optional ``t2d`` tensor ([V] bool) restricts drafts to a draft vocabulary
-(:meth:`~specdec.drafters.dflash_model.BlockDraftModel.set_draft_vocab`). Weights are read with
+(:meth:`~specdec.drafters.dflash.model.BlockDraftModel.set_draft_vocab`). Weights are read with
 safetensors only; nothing is unpickled.
 """
 
@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel
+from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel
 from specdec.models import safetensors_files
 
 __all__ = ["config_from_dict", "load_block_draft", "save_block_draft", "LAYOUTS"]

@@ -1,16 +1,16 @@
 """DSpark: DFlash's block backbone, causal correction, and confidence-scheduled verification
 (DeepSeek-AI, arXiv 2607.05147).
 
-Three changes to DFlash (:mod:`specdec.drafters.dflash`):
+Three changes to DFlash (:mod:`specdec.drafters.dflash.drafter`):
 
 1. **The anchor predicts.** The block ``[anchor, MASK × (γ−1)]`` at positions ``P..P+γ−1`` gives
    base logits ``U_1..U_γ`` from positions ``0..γ−1``: ``γ`` drafts per pass.
 2. **Causal correction.** Drafts are drawn left to right from ``U_k`` plus the Markov head's bias
-   from ``x_{k−1}`` (:mod:`specdec.drafters.dspark_heads`), each after the same warp as the
+   from ``x_{k−1}`` (:mod:`specdec.drafters.dspark.heads`), each after the same warp as the
    target's; ``q`` is exactly the distribution each token was drawn from. Greedy drafting takes
    the argmaxes in the same order and returns ``q = None``.
 3. **Confidences and the prefix scheduler.** The confidence head gives ``c_k`` per draft
-   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.scheduler.schedule` sets
+   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.drafters.dspark.scheduler.schedule` sets
    ``num_valid`` per row from the survival products and a step-cost table profiled once at
    start-up (or passed as ``costs``). When even the best schedule is expected to be slower than
    autoregressive decoding, the next step skips drafting (an empty proposal, also lossless),
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdec.drafters.dflash import BlockDrafter, BlockState, tiny_block_config
-from specdec.drafters.dflash_model import BlockDraftModel, ContextKV
-from specdec.drafters.dspark_heads import sample_with_head
+from specdec.drafters.dflash.drafter import BlockDrafter, BlockState, tiny_block_config
+from specdec.drafters.dflash.model import BlockDraftModel, ContextKV
+from specdec.drafters.dspark.heads import sample_with_head
 from specdec.models import cache_dir
 from specdec.sampling import RowSampling, SamplingParams
-from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.target import Target
 from specdec.types import DraftProposal
 

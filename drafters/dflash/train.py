@@ -15,7 +15,7 @@ Blocks never see each other, so all ``A`` blocks of a sequence run as one masked
   weights, as DeepSpec does). ``p^t`` is the target's distribution at the predicted position.
 
 Labels are the sequence's own tokens: the training data is the target's greedy output
-(:mod:`specdec.distill`), so in the response they are the target's argmax.
+(:mod:`specdec.training.data`), so in the response they are the target's argmax.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.drafters.dflash_model import BlockDraftModel
+from specdec.drafters.dflash.model import BlockDraftModel
 
 __all__ = ["BlockBatch", "BlockLoss", "sample_anchors", "block_forward", "block_loss"]
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdec.drafters.dspark_heads import ConfidenceHead, build_markov_head
+from specdec.drafters.dspark.heads import ConfidenceHead, build_markov_head
 
 __all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids", "rms_norm"]
 
@@ -199,7 +199,7 @@ class BlockLayer(nn.Module):
 
 class BlockDraftModel(nn.Module):
     """The backbone; parameter names are the z-lab DFlash checkpoint's (``layers.{i}.*``, ``fc``,
-    ``hidden_norm``, ``norm``). DSpark's heads live beside it (:mod:`specdec.drafters.dspark_heads`)."""
+    ``hidden_norm``, ``norm``). DSpark's heads live beside it (:mod:`specdec.drafters.dspark.heads`)."""
 
     def __init__(self, cfg: BlockDraftConfig):
         super().__init__()

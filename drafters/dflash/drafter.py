@@ -1,7 +1,7 @@
 """DFlash: block-parallel drafting from the target's own features (z-lab, 2026).
 
 Each step drafts a whole block in **one** forward of a small network
-(:class:`~specdec.drafters.dflash_model.BlockDraftModel`): the block ``[anchor, MASK × k]`` at
+(:class:`~specdec.drafters.dflash.model.BlockDraftModel`): the block ``[anchor, MASK × k]`` at
 positions ``P..P+k`` (``P`` = the anchor's position, the target's last sampled token) attends
 non-causally to itself and to context K/V built from the target's layer outputs at every
 committed token. Output position ``j ≥ 1`` drafts the token at ``P + j``, so a block of ``b``
@@ -12,7 +12,7 @@ softmax and ``q_j`` is exactly that distribution; greedy drafting returns the ar
 ``q = None``. A model trained at block ``b`` runs at any ``k`` (smaller is exact to training;
 larger drafts positions it never learned).
 
-The context K/V cache (:class:`~specdec.drafters.dflash_model.ContextKV`) is extended at the next
+The context K/V cache (:class:`~specdec.drafters.dflash.model.ContextKV`) is extended at the next
 propose with the features of the tokens committed since (the anchor and accepted drafts); rejected
 drafts never enter it, so nothing has to be evicted.
 
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafter import Drafter
-from specdec.drafters.dflash_model import BlockDraftConfig, BlockDraftModel, ContextKV, build_target_layer_ids
+from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, ContextKV, build_target_layer_ids
 from specdec.sampling import RowSampling
 from specdec.target import Target, layer_output_ids
 from specdec.types import Committed, DraftProposal, Requirements
@@ -164,7 +164,7 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def _load(cls, options: dict[str, Any]) -> BlockDraftModel:
-        from specdec.drafters.dflash_checkpoint import load_block_draft
+        from specdec.drafters.dflash.checkpoint import load_block_draft
 
         model = options.pop("model", None)
         if model is not None:

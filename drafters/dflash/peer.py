@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from specdec.drafters.dflash import DFlashDrafter
+from specdec.drafters.dflash.drafter import DFlashDrafter
 
 __all__ = ["to_transformers"]
 

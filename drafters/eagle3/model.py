@@ -15,7 +15,7 @@ scatters draft logits into the full vocabulary (−inf elsewhere) before any war
 verifier sees is exact over the target's vocabulary and zero outside the draft's.
 
 Parameter names are the speculators format's (``fc``, ``layers.0.*``, ``norm``, ``lm_head``,
-``d2t``, ``t2d``, optional ``embed_tokens``); :mod:`specdec.drafters.eagle3_checkpoint` reads and
+``d2t``, ``t2d``, optional ``embed_tokens``); :mod:`specdec.drafters.eagle3.checkpoint` reads and
 writes files. Attention is left to the caller (:meth:`Eagle3Layer.qkv` then :meth:`Eagle3Layer.finish`),
 because decoding (a cache plus a tree) and training (unrolled steps) mask it differently.
 

@@ -38,8 +38,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.api import encode_messages, load_target, make_drafter, make_verifier
-from specdec.config import HF_METHODS, RunConfig, TargetConfig
-from specdec.datasets import Sample, load_dataset
+from specdec.eval.config import HF_METHODS, RunConfig, TargetConfig
+from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
@@ -54,7 +54,7 @@ __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult"
 def build_target(cfg: TargetConfig) -> Target:
     """The target a config names; ``model: tiny`` builds a random-weight model (tests, CI)."""
     if cfg.model == "tiny":
-        from specdec.tiny import tiny_model
+        from specdec.testing.tiny import tiny_model
 
         return Target(tiny_model(**{"vocab_size": 64, **cfg.tiny}).to(getattr(torch, cfg.dtype)))
     return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map)
@@ -161,7 +161,7 @@ def _hf_method(target: Target, kind: str, k: int, eos: set[int], drafter: Drafte
     elif kind == "dflash":
         if drafter_name != "dflash" or drafter is None:
             raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
-        from specdec.drafters.dflash_hf import to_transformers
+        from specdec.drafters.dflash.peer import to_transformers
 
         # transformers' DFlashTokenCandidateGenerator drafts a whole block (block_size - 1 tokens)
         extra = {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}  # type: ignore[arg-type]
@@ -374,7 +374,7 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
 def git_sha() -> str | None:
     """The commit this library runs from (recorded with every result and checkpoint), or None."""
     try:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

@@ -34,7 +34,7 @@ class TargetConfig:
     model: str = "smollm2-135m"  # an alias of specdec.models, a local folder, or "tiny" (random weights)
     dtype: str = "float32"
     device_map: str | None = None  # accelerate's device_map (e.g. "auto"); None = CPU
-    tiny: dict[str, Any] = field(default_factory=dict)  # specdec.tiny.tiny_model options when model == "tiny"
+    tiny: dict[str, Any] = field(default_factory=dict)  # specdec.testing.tiny.tiny_model options when model == "tiny"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -31,7 +31,7 @@ def merge_intervals(intervals):
 
 
 # the committed SmolLM2 drafters, in the repository (an editable install finds them)
-CHECKPOINTS = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "experiments" / "checkpoints"
 SMOLLM2_DRAFTERS = {"mtp": "smollm2-135m-mtp", "gemma_mtp": "smollm2-135m-gemma-mtp", "eagle3": "smollm2-135m-eagle3",
                     "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark"}
 

@@ -1,0 +1,1 @@
+"""EAGLE-3: the drafter, its head, trees, checkpoint formats and the training-time test."""

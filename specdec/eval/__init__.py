@@ -1,0 +1,1 @@
+"""Evaluation: run configs, offline datasets, the benchmark runner and the demo."""

@@ -1,0 +1,1 @@
+"""Training: the target's own responses as data, features, and the shared training loop."""
