@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from specdec.drafter import Drafter
 from specdec.loop import Request, RunResult, run
 from specdec.metrics import summarize
+from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
@@ -30,20 +31,13 @@ def load_target(model: str | PreTrainedModel, tokenizer=None, dtype: torch.dtype
 
 
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
-    """Build the registered drafter ``name`` bound to ``target``."""
-    from specdec.drafters import DRAFTERS
-
-    if name not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}")
-    return DRAFTERS[name].create(target, **options)
+    """Build the drafter registered as ``name`` (:mod:`specdec.registry`) bound to ``target``."""
+    return drafter_class(name).create(target, **options)
 
 
 def make_verifier(name: str, **options: Any) -> Verifier:
-    from specdec.verifiers import VERIFIERS
-
-    if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {name!r}; registered: {sorted(VERIFIERS)}")
-    return VERIFIERS[name](**options)
+    """Build the verifier registered as ``name`` (:mod:`specdec.registry`)."""
+    return verifier_class(name)(**options)
 
 
 @dataclass
