@@ -2,17 +2,51 @@
 
     import specdec
     target = specdec.load_target("smollm2-135m")
-    out = specdec.generate(target, "Repeat this code: ...", drafter="ngram", k=8)
+    out = specdec.generate(target, "Write a Python function that reverses a string.", drafter="ngram", k=4)
     out.texts, out.summary
+
+Names are imported on first use (PEP 562), so ``import specdec`` loads neither torch nor
+transformers until something asks for them.
 """
 
-from specdec.api import GenerationResult, generate, load_target, make_drafter, make_verifier
-from specdec.loop import Request, run
-from specdec.sampling import SamplingParams
-from specdec.target import Target
-from specdec.types import Committed, DraftProposal, Requirements, Verification
+from __future__ import annotations
 
-__all__ = [
-    "Committed", "DraftProposal", "GenerationResult", "Request", "Requirements", "SamplingParams", "Target",
-    "Verification", "generate", "load_target", "make_drafter", "make_verifier", "run",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "GenerationResult": "specdec.api", "generate": "specdec.api", "load_target": "specdec.api",
+    "make_drafter": "specdec.api", "make_verifier": "specdec.api",
+    "Request": "specdec.loop", "run": "specdec.loop",
+    "SamplingParams": "specdec.sampling",
+    "Target": "specdec.target",
+    "Committed": "specdec.types", "DraftProposal": "specdec.types", "Requirements": "specdec.types",
+    "Verification": "specdec.types",
+    "Drafter": "specdec.drafter", "Verifier": "specdec.verifier",
+    "register_drafter": "specdec.registry", "register_verifier": "specdec.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from specdec.api import GenerationResult, generate, load_target, make_drafter, make_verifier
+    from specdec.drafter import Drafter
+    from specdec.loop import Request, run
+    from specdec.registry import register_drafter, register_verifier
+    from specdec.sampling import SamplingParams
+    from specdec.target import Target
+    from specdec.types import Committed, DraftProposal, Requirements, Verification
+    from specdec.verifier import Verifier
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

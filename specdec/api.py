@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
-
 from specdec.drafter import Drafter
 from specdec.loop import Request, RunResult, run
 from specdec.metrics import summarize
@@ -19,10 +17,10 @@ from specdec.verifier import Verifier
 __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "GenerationResult", "encode_messages"]
 
 
-def load_target(model: str | PreTrainedModel, tokenizer=None, dtype: torch.dtype = torch.float32,
+def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.float32,
                 device_map: str | dict | None = None) -> Target:
     """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder."""
-    if isinstance(model, PreTrainedModel):
+    if isinstance(model, torch.nn.Module):  # a loaded causal LM (a transformers PreTrainedModel)
         return Target(model, tokenizer)
     from specdec.models import load_model
 
