@@ -1,0 +1,163 @@
+"""The training corpus: the target's own answers to offline prompts, greedy and sampled, grown in shards.
+
+A drafter learns best from text its target wrote, at the temperatures it will be served at. Every
+prompt is a conversation that ends in a user turn: each human turn of a ShareGPT conversation (with
+the conversation before it as context, so later turns are usable too), and every MT-bench turn and
+HumanEval problem outside :data:`specdec.training.data.HELD_OUT`, the one held-out rule. The
+target answers through this library's own batched loop with the lossless ``ngram`` drafter (faster
+than plain decoding, same output), at the temperature the prompt's id assigns
+(:data:`TEMPERATURES`, round-robin), with a per-prompt seed.
+
+Storage is compact and incremental: a folder of ``shard-NNNNN.safetensors`` files, each holding a
+chunk of prompts as token ids (``uint16`` when the vocabulary fits, else ``int32``) concatenated
+with their offsets, each sequence's ``response_start``, ``prompt_id`` and sampling settings.
+Generation resumes at the first missing shard; a shard is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
+from specdec.sampling import SamplingParams
+from specdec.target import Target
+from specdec.training.data import HELD_OUT
+
+__all__ = ["TEMPERATURES", "CorpusSeq", "corpus_conversations", "generate_corpus", "read_corpus", "corpus_stats"]
+
+# (temperature, top_p) by prompt id modulo 3: greedy, the runner's "nucleus" and "sample" presets
+TEMPERATURES: tuple[tuple[float, float], ...] = ((0.0, 1.0), (0.7, 0.9), (1.0, 1.0))
+
+
+@dataclass
+class CorpusSeq:
+    tokens: Tensor  # [T] int64: chat-formatted conversation, then the target's answer
+    response_start: int  # index of the first answer token
+    prompt_id: int
+    temperature: float
+    top_p: float
+
+
+def corpus_conversations(seed: int = 0, max_chars: int = 4000) -> list[list[dict[str, str]]]:
+    """Every usable conversation, shuffled with ``seed``; each ends in a user turn.
+
+    Non-held-out MT-bench turns (each on its own) and HumanEval problems, then every human turn of
+    every ShareGPT conversation with the turns before it. Conversations over ``max_chars`` characters
+    and exact duplicates are dropped.
+    """
+    convs: list[list[dict[str, str]]] = []
+    mt = load_dataset(DatasetConfig(name="mtbench", num_prompts=10_000, turns=2))[HELD_OUT["mtbench"]:]
+    convs += [[{"role": "user", "content": t}] for s in mt for t in s.turns]
+    he = load_dataset(DatasetConfig(name="humaneval", num_prompts=10_000))[HELD_OUT["humaneval"]:]
+    convs += [[{"role": "user", "content": s.turns[0]}] for s in he]
+    roles = {"human": "user", "gpt": "assistant"}
+    for conv in read_sharegpt(packaged_file("sharegpt")):
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in conv.get("conversations") or []
+                 if t.get("from") in roles and isinstance(t.get("value"), str) and t["value"]]
+        convs += [turns[: i + 1] for i, t in enumerate(turns) if t["role"] == "user"]
+    seen: set[str] = set()
+    kept = []
+    for c in convs:
+        key = json.dumps(c)
+        if len(key) <= max_chars and key not in seen:
+            seen.add(key)
+            kept.append(c)
+    random.Random(seed).shuffle(kept)
+    return kept
+
+
+def _shard(folder: Path, i: int) -> Path:
+    return folder / f"shard-{i:05d}.safetensors"
+
+
+def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
+                    max_new_tokens: int = 256, max_prompt_tokens: int = 512, k: int = 4, seed: int = 0,
+                    progress: bool = True) -> Path:
+    """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
+
+    Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
+    ``shard_size`` prompts is generated in batches of ``batch`` sorted by length, then written at once.
+    """
+    from tqdm import tqdm
+
+    from specdec.api import encode_messages, make_drafter, make_verifier
+    from specdec.loop import Request, run
+
+    if target.vocab_size > 1 << 31:
+        raise ValueError("vocabulary too large for int32 token ids")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    convs = corpus_conversations(seed)
+    if num_prompts > len(convs):
+        raise ValueError(f"only {len(convs)} offline conversations exist, {num_prompts} were asked for")
+    id_dtype = torch.uint16 if target.vocab_size <= 1 << 16 else torch.int32
+    drafter, verifier = make_drafter("ngram", target), make_verifier("rejection")
+    shards = range((num_prompts + shard_size - 1) // shard_size)
+    for s in tqdm(shards, desc="corpus shards", disable=not progress):
+        if _shard(folder, s).exists():
+            continue
+        ids = list(range(s * shard_size, min((s + 1) * shard_size, num_prompts)))
+        prompts = {i: encode_messages(target, convs[i], chat=True)[-max_prompt_tokens:] for i in ids}
+        order = sorted(ids, key=lambda i: len(prompts[i]))
+        answers: dict[int, list[int]] = {}
+        for lo in range(0, len(order), batch):
+            part = order[lo: lo + batch]
+            reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i), seed=seed * 1_000_003 + i))
+                    for i in part]
+            with torch.inference_mode():
+                out = run(target, drafter, verifier, reqs, k=k)
+            answers.update({i: r.tokens for i, r in zip(part, out.requests)})
+        seqs = [torch.tensor(prompts[i] + answers[i]) for i in ids]
+        lengths = torch.tensor([0] + [len(t) for t in seqs])
+        tensors = {
+            "tokens": torch.cat(seqs).to(id_dtype), "offsets": lengths.cumsum(0),
+            "response_start": torch.tensor([len(prompts[i]) for i in ids], dtype=torch.int32),
+            "prompt_id": torch.tensor(ids, dtype=torch.int32),
+            "temperature": torch.tensor([_setting(i)[0] for i in ids], dtype=torch.float32),
+            "top_p": torch.tensor([_setting(i)[2] for i in ids], dtype=torch.float32),
+        }
+        meta = {"max_new_tokens": str(max_new_tokens), "max_prompt_tokens": str(max_prompt_tokens),
+                "seed": str(seed), "vocab_size": str(target.vocab_size)}
+        tmp = _shard(folder, s).with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        tmp.replace(_shard(folder, s))
+    return folder
+
+
+def _setting(prompt_id: int) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a prompt: :data:`TEMPERATURES` round-robin by id."""
+    t, p = TEMPERATURES[prompt_id % len(TEMPERATURES)]
+    return t, 0, p
+
+
+def read_corpus(folder: str | Path) -> Iterator[CorpusSeq]:
+    """Every sequence of every shard in ``folder``, in shard order."""
+    for path in sorted(Path(folder).glob("shard-*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        off = t["offsets"].tolist()
+        tokens = t["tokens"].long()
+        for j, (a, b) in enumerate(zip(off[:-1], off[1:])):
+            yield CorpusSeq(tokens[a:b], int(t["response_start"][j]), int(t["prompt_id"][j]),
+                            float(t["temperature"][j]), float(t["top_p"][j]))
+
+
+def corpus_stats(folder: str | Path) -> dict[str, float]:
+    """Sequences, prompt and response tokens, and bytes on disk of a corpus folder."""
+    n = prompt = response = 0
+    for s in read_corpus(folder):
+        n += 1
+        prompt += s.response_start
+        response += s.tokens.numel() - s.response_start
+    size = sum(p.stat().st_size for p in Path(folder).glob("shard-*.safetensors"))
+    return {"sequences": n, "prompt_tokens": prompt, "response_tokens": response, "bytes": size}

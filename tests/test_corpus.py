@@ -1,0 +1,51 @@
+"""The training corpus: held-out rule, all ShareGPT turns, resumable shards, the target's own answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import load_dataset
+from specdec.training.corpus import TEMPERATURES, corpus_conversations, corpus_stats, generate_corpus, read_corpus
+from specdec.training.data import HELD_OUT
+
+
+def test_conversations_hold_out_the_benchmark_items_and_use_later_turns():
+    convs = corpus_conversations(seed=0)
+    firsts = {c[0]["content"] for c in convs}
+    held_mt = load_dataset(DatasetConfig(name="mtbench", num_prompts=HELD_OUT["mtbench"], turns=2))
+    held_he = load_dataset(DatasetConfig(name="humaneval", num_prompts=HELD_OUT["humaneval"]))
+    held = {t for s in held_mt for t in s.turns} | {s.turns[0] for s in held_he}
+    assert held and not held & firsts
+    assert all(c[-1]["role"] == "user" for c in convs)
+    assert any(len(c) >= 3 for c in convs), "later ShareGPT turns (with their context) are usable"
+    assert convs == corpus_conversations(seed=0) and convs != corpus_conversations(seed=1)
+
+
+@pytest.mark.slow
+def test_shards_hold_the_targets_answers_and_resume(smollm2, tmp_path):
+    from specdec.testing import assert_greedy_equivalent, greedy_reference
+
+    folder = generate_corpus(smollm2, tmp_path / "c", num_prompts=5, shard_size=2, batch=2, max_new_tokens=6,
+                             max_prompt_tokens=64, progress=False)
+    seqs = list(read_corpus(folder))
+    assert [s.prompt_id for s in seqs] == list(range(5))
+    assert [round(s.temperature, 3) for s in seqs] == [round(TEMPERATURES[i % 3][0], 3) for i in range(5)]
+    with safe_open(str(folder / "shard-00000.safetensors"), framework="pt") as f:
+        assert f.get_tensor("tokens").dtype == torch.uint16
+    for s in seqs:
+        assert 0 < s.response_start < s.tokens.numel() <= s.response_start + 6
+        if s.temperature == 0:  # greedy rows: exactly the target's own greedy continuation
+            ref, logits = greedy_reference(smollm2.model, s.tokens[: s.response_start].tolist(), 6)
+            answer = s.tokens[s.response_start:].tolist()
+            assert_greedy_equivalent(answer, ref[: len(answer)], logits[: len(answer)])
+    before = load_file(str(folder / "shard-00001.safetensors"))
+    (folder / "shard-00001.safetensors").unlink()
+    generate_corpus(smollm2, folder, num_prompts=5, shard_size=2, batch=2, max_new_tokens=6, max_prompt_tokens=64,
+                    progress=False)
+    after = load_file(str(folder / "shard-00001.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # seeded
+    assert corpus_stats(folder)["sequences"] == 5
