@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from specdec.drafter import Drafter
 from specdec.loop import Request, RunResult, run
 from specdec.metrics import summarize
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
+from specdec.validate import as_prompt_batch
 from specdec.verifier import Verifier
 
 __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "GenerationResult", "encode_messages"]
@@ -63,7 +65,7 @@ def encode_messages(target: Target, messages: list[dict[str, str]], chat: bool) 
 
 def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
     if not isinstance(prompt, str):
-        return list(prompt)
+        return prompt
     return encode_messages(target, [{"role": "user", "content": prompt}], chat)
 
 
@@ -72,8 +74,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
              sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
              chat: bool = False, eos_token_ids: set[int] | None = None, **drafter_options: Any) -> GenerationResult:
     """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]  # type: ignore[list-item]
+    prompts = as_prompt_batch(prompts)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, target, **drafter_options)
     if isinstance(verifier, str):

@@ -24,6 +24,7 @@ from specdec.metrics import RequestMetrics, RunMetrics
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, node_depths
+from specdec.validate import as_int, as_token_ids
 from specdec.verifier import Verifier
 
 __all__ = ["Request", "RequestResult", "RunResult", "run", "validate_requests"]
@@ -50,20 +51,21 @@ class RunResult:
 
 def validate_requests(target: Target, drafter: Drafter | None, requests: list[Request], k: int) -> None:
     """Every bad-input error, raised before any work starts."""
-    if not requests:
+    if not isinstance(requests, list) or not requests:
         raise ValueError("no requests given")
     if drafter is not None:
-        if k < 1:
-            raise ValueError(f"k (num_speculative_tokens) must be >= 1, got {k}")
+        as_int("k (num_speculative_tokens)", k, minimum=1)
         if getattr(drafter, "target", None) is not target:
             raise ValueError(f"drafter {drafter.name!r} is not bound to this target: call drafter.bind(target)")
     for i, r in enumerate(requests):
+        if not isinstance(r, Request):
+            raise TypeError(f"request {i} must be a specdec.Request, got {type(r).__name__}")
         if len(r.prompt) == 0:
             raise ValueError(f"request {i}: empty prompt")
-        if r.max_new_tokens < 1:
-            raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-        if min(r.prompt) < 0 or max(r.prompt) >= target.vocab_size:
-            raise ValueError(f"request {i}: token ids must lie in [0, {target.vocab_size})")
+        r.prompt = as_token_ids(f"request {i}: prompt", r.prompt, target.vocab_size)
+        r.max_new_tokens = as_int(f"request {i}: max_new_tokens", r.max_new_tokens, minimum=1)
+        if not isinstance(r.sampling, SamplingParams):
+            raise TypeError(f"request {i}: sampling must be a SamplingParams, got {type(r.sampling).__name__}")
         need = len(r.prompt) + r.max_new_tokens + (k if drafter is not None else 0)
         if need > target.max_positions:
             raise ValueError(

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from specdec.types import DraftProposal
+from specdec.validate import as_float, as_int
 
 __all__ = ["SamplingParams", "RowSampling", "warp", "sample_from"]
 
@@ -30,12 +31,12 @@ class SamplingParams:
     seed: int | None = None  # None = fresh entropy
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        # normalised through the one validation place: numpy/tensor scalars become Python numbers
+        object.__setattr__(self, "temperature", as_float("temperature", self.temperature, minimum=0.0))
+        object.__setattr__(self, "top_k", as_int("top_k (0 = off)", self.top_k, minimum=0))
+        object.__setattr__(self, "top_p", as_float("top_p", self.top_p, minimum=0.0, maximum=1.0, open_minimum=True))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", as_int("seed", self.seed, minimum=0, maximum=(1 << 63) - 1))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,75 @@
+"""User input is checked in one place: types included, before any work starts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specdec
+from specdec.loop import Request, run
+from specdec.sampling import SamplingParams
+from specdec.verifiers import RejectionVerifier
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"temperature": True}, TypeError, "temperature must be a number"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be finite"),
+    ({"temperature": -0.1}, ValueError, "temperature must be >= 0"),
+    ({"top_k": float("nan")}, TypeError, "top_k .* must be an integer"),
+    ({"top_k": 2.7}, TypeError, "top_k .* must be an integer"),
+    ({"top_k": -1}, ValueError, "top_k .* must be >= 0"),
+    ({"top_p": 0.0}, ValueError, "top_p must be > 0"),
+    ({"top_p": "0.9"}, TypeError, "top_p must be a number"),
+    ({"seed": 2**70}, ValueError, "seed must be <="),
+    ({"seed": 1.0}, TypeError, "seed must be an integer"),
+])
+def test_bad_sampling_parameters_name_themselves(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_numpy_and_tensor_scalars_are_accepted_as_numbers():
+    p = SamplingParams(temperature=np.float32(0.5), top_k=torch.tensor(3), top_p=np.float64(0.9), seed=np.int64(7))
+    assert (type(p.temperature), type(p.top_k), type(p.top_p), type(p.seed)) == (float, int, float, int)
+    assert (p.top_k, p.seed) == (3, 7)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[1.5, 2.0]], "must be an integer"),
+    (torch.tensor([[1.5, 2.0]]), "integer token ids"),
+    (np.array([1.0, 2.0]), "integer token ids"),
+    ([[1, 2], "text"], "mixes text and token ids"),
+    ([], "non-empty"),
+    (7, "must be a string, token ids"),
+])
+def test_bad_prompts_are_refused_before_work(target, prompts, match):
+    with pytest.raises(TypeError, match=match):
+        specdec.generate(target, prompts, drafter="ngram", max_new_tokens=2)
+
+
+def test_tensor_and_numpy_prompts_give_the_list_result(target):
+    ref = specdec.generate(target, [[1, 2, 3], [4, 5]], drafter="ngram", max_new_tokens=4).tokens
+    assert specdec.generate(target, torch.tensor([1, 2, 3]), drafter="ngram", max_new_tokens=4).tokens == ref[:1]
+    assert specdec.generate(target, np.array([[1, 2, 3]]), drafter="ngram", max_new_tokens=4).tokens == ref[:1]
+    assert specdec.generate(target, [torch.tensor([1, 2, 3]), np.array([4, 5])], drafter="ngram",
+                            max_new_tokens=4).tokens == ref
+
+
+@pytest.mark.parametrize("k, max_new_tokens, error, match", [
+    (1.5, 4, TypeError, "k .* must be an integer"),
+    (True, 4, TypeError, "k .* must be an integer"),
+    (2, 2.5, TypeError, "max_new_tokens must be an integer"),
+    (2, 0, ValueError, "max_new_tokens must be >= 1"),
+])
+def test_bad_k_and_lengths_are_refused(target, k, max_new_tokens, error, match):
+    d = specdec.make_drafter("ngram", target)
+    with pytest.raises(error, match=match):
+        run(target, d, RejectionVerifier(), [Request([1, 2, 3], max_new_tokens)], k=k)
+
+
+def test_requests_must_be_requests(target):
+    with pytest.raises(TypeError, match="must be a specdec.Request"):
+        run(target, None, RejectionVerifier(), [[1, 2, 3]])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
+        run(target, None, RejectionVerifier(), [Request([1, 2], 2, {"temperature": 1.0})])  # type: ignore[arg-type]
