@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard (one file)")
     ap.add_argument("--batch", type=int, default=32, help="requests decoded together")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="answer length cap")
+    ap.add_argument("--drafter", default=None, help="a lossless drafter to decode with (e.g. ngram on a GPU)")
+    ap.add_argument("--k", type=int, default=4, help="draft length when --drafter is set")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--seed", type=int, default=0, help="prompt order and sampling seeds")
     args = ap.parse_args()
@@ -35,7 +37,7 @@ def main() -> None:
     target = specdec.load_target(args.model, dtype=torch.float32)
     start = time.perf_counter()
     generate_corpus(target, args.out, args.num_prompts, shard_size=args.shard_size, batch=args.batch,
-                    max_new_tokens=args.max_new_tokens, seed=args.seed)
+                    max_new_tokens=args.max_new_tokens, drafter=args.drafter, k=args.k, seed=args.seed)
     stats = corpus_stats(args.out)
     print(json.dumps({**stats, "seconds_this_run": round(time.perf_counter() - start, 1)}))
 

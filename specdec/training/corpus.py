@@ -4,8 +4,9 @@ A drafter learns best from text its target wrote, at the temperatures it will be
 prompt is a conversation that ends in a user turn: each human turn of a ShareGPT conversation (with
 the conversation before it as context, so later turns are usable too), and every MT-bench turn and
 HumanEval problem outside :data:`specdec.training.data.HELD_OUT`, the one held-out rule. The
-target answers through this library's own batched loop with the lossless ``ngram`` drafter (faster
-than plain decoding, same output), at the temperature the prompt's id assigns
+target answers through this library's own batched loop, optionally with a drafter (every drafter
+is lossless, so the output is the same; pick whichever decodes faster on the machine), at the
+temperature the prompt's id assigns
 (:data:`TEMPERATURES`, round-robin), with a per-prompt seed.
 
 Storage is compact and incremental: a folder of ``shard-NNNNN.safetensors`` files, each holding a
@@ -81,8 +82,8 @@ def _shard(folder: Path, i: int) -> Path:
 
 
 def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
-                    max_new_tokens: int = 256, max_prompt_tokens: int = 512, k: int = 4, seed: int = 0,
-                    progress: bool = True) -> Path:
+                    max_new_tokens: int = 256, max_prompt_tokens: int = 512, drafter: str | None = None,
+                    k: int = 4, seed: int = 0, progress: bool = True) -> Path:
     """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
 
     Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
@@ -101,7 +102,8 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
     if num_prompts > len(convs):
         raise ValueError(f"only {len(convs)} offline conversations exist, {num_prompts} were asked for")
     id_dtype = torch.uint16 if target.vocab_size <= 1 << 16 else torch.int32
-    drafter, verifier = make_drafter("ngram", target), make_verifier("rejection")
+    draft = make_drafter(drafter, target) if drafter else None
+    verifier = make_verifier("rejection")
     shards = range((num_prompts + shard_size - 1) // shard_size)
     for s in tqdm(shards, desc="corpus shards", disable=not progress):
         if _shard(folder, s).exists():
@@ -115,7 +117,7 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
             reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i), seed=seed * 1_000_003 + i))
                     for i in part]
             with torch.inference_mode():
-                out = run(target, drafter, verifier, reqs, k=k)
+                out = run(target, draft, verifier, reqs, k=k)
             answers.update({i: r.tokens for i, r in zip(part, out.requests)})
         seqs = [torch.tensor(prompts[i] + answers[i]) for i in ids]
         lengths = torch.tensor([0] + [len(t) for t in seqs])
