@@ -24,6 +24,7 @@ _EXPORTS = {
     "Verification": "specdec.types",
     "Drafter": "specdec.drafter", "Verifier": "specdec.verifier",
     "register_drafter": "specdec.registry", "register_verifier": "specdec.registry",
+    "custom_generate": "specdec.hf",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -31,6 +32,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from specdec.api import GenerationResult, generate, load_target, make_drafter, make_verifier
     from specdec.drafter import Drafter
+    from specdec.hf import custom_generate
     from specdec.loop import Request, run
     from specdec.registry import register_drafter, register_verifier
     from specdec.sampling import SamplingParams
