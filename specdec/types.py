@@ -124,6 +124,15 @@ class DraftProposal:
         assert self.num_valid is not None
         if ((self.num_valid < 0) | (self.num_valid > n)).any():
             raise ValueError(f"num_valid must lie in [0, {n}]")
+        if self.q is not None and n:
+            # A drafted token must have positive probability under the q it was drawn from: the
+            # rejection rule u·q(x) < p(x) would accept a q(x) = 0 token whenever p(x) > 0.
+            valid = torch.arange(n, device=self.q.device) < self.num_valid.to(self.q.device).unsqueeze(1)
+            q_tok = self.q.gather(-1, self.tokens.to(self.q.device).unsqueeze(-1)).squeeze(-1)  # [B, n]
+            if (valid & ~(q_tok > 0)).any():  # catches q(x) = 0 and NaN alike
+                b, j = (valid & ~(q_tok > 0)).nonzero()[0].tolist()
+                raise ValueError(f"row {b}, node {j}: drafted token {int(self.tokens[b, j])} has q = {float(q_tok[b, j])}"
+                                 " under the q reported for it; q must be the distribution it was drawn from")
 
 
 @dataclass

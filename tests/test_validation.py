@@ -73,3 +73,31 @@ def test_requests_must_be_requests(target):
         run(target, None, RejectionVerifier(), [[1, 2, 3]])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="sampling must be a SamplingParams"):
         run(target, None, RejectionVerifier(), [Request([1, 2], 2, {"temperature": 1.0})])  # type: ignore[arg-type]
+
+
+def test_a_drafted_token_with_zero_or_nan_q_is_refused():
+    from specdec.types import DraftProposal
+
+    q = torch.full((1, 2, 4), 0.25)
+    q[0, 1] = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    with pytest.raises(ValueError, match="node 1: drafted token 3 has q = 0"):
+        DraftProposal.chain(torch.tensor([[1, 3]]), q).validate(1, 4)
+    q[0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="node 1: drafted token 3 has q = nan"):
+        DraftProposal.chain(torch.tensor([[1, 3]]), q).validate(1, 4)
+    # padding nodes past num_valid are not verified, so their q is not checked
+    DraftProposal.chain(torch.tensor([[1, 3]]), q, num_valid=torch.tensor([1])).validate(1, 4)
+
+
+def test_random_drafter_exhausting_top_p_falls_back_to_one_hot(target):
+    """The reproduction of the issue: siblings drawn without replacement at T 1.3, top-p 0.8."""
+    from specdec.testing import RandomDrafter
+    from specdec.sampling import RowSampling
+
+    d = RandomDrafter.create(target, siblings="without_replacement", branching=[3, 1])
+    rows = RowSampling([SamplingParams(temperature=1.3, top_p=0.8, seed=s) for s in range(8)])
+    state = d.start(None, rows)  # type: ignore[arg-type]
+    for _ in range(20):
+        p = d.propose(state, 2, rows)
+        p.validate(8, target.vocab_size)  # every drafted token has q > 0
+        assert torch.allclose(p.q.sum(-1), torch.ones(8, p.n))

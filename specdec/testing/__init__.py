@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
@@ -276,7 +277,11 @@ class RandomDrafter(Drafter):
             else:
                 if self.siblings == "without_replacement":
                     q = q.masked_fill(used[:, p + 1] > 0, 0.0)
-                    q = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+                    mass = q.sum(-1, keepdim=True)
+                    # top-k/top-p left fewer tokens than siblings: the sibling is deterministic (one-hot
+                    # on the best unused raw score), as EAGLE-3's static tree does; that q is exact too
+                    best = table[parent_tok].masked_fill(used[:, p + 1] > 0, float("-inf")).argmax(-1)
+                    q = torch.where(mass > 0, q / mass.clamp(min=1e-30), F.one_hot(best, V).float())
                 x = rows.sample(q.to(dev)).cpu()
             used[torch.arange(B), p + 1, x] = 1.0
             tokens[:, j], qs[:, j] = x, q
