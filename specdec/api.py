@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdec.drafter import Drafter
 from specdec.loop import Request, RunResult, run
-from specdec.metrics import summarize
+from specdec.metrics import GenerationSummary
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -46,10 +48,15 @@ class GenerationResult:
     tokens: list[list[int]]
     run: RunResult
 
-    @property
-    def summary(self) -> dict:
-        """Mean accepted length, acceptance per position, tokens/s and the time split."""
-        return {**summarize([r.metrics for r in self.run.requests]), **self.run.metrics.to_dict()}
+    summary: GenerationSummary
+
+    def to_dict(self) -> dict[str, Any]:
+        """Texts, tokens, the summary and every request's metrics, as plain JSON-able values."""
+        return {"texts": self.texts, "tokens": self.tokens, "summary": self.summary.to_dict(),
+                "requests": [r.metrics.to_dict() for r in self.run.requests]}
+
+    def save_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 def encode_messages(target: Target, messages: list[dict[str, str]], chat: bool) -> list[int]:
@@ -86,4 +93,6 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
     result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids)
     tokens = [r.tokens for r in result.requests]
     texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if target.tokenizer else None
-    return GenerationResult(texts, tokens, result)
+    summary = GenerationSummary.of([r.metrics for r in result.requests], result.metrics,
+                                   drafter.name if drafter is not None else None, verifier.name, verifier.lossless, k)
+    return GenerationResult(texts, tokens, result, summary)

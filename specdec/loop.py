@@ -14,6 +14,7 @@ same code.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,11 @@ from specdec.types import Committed, DraftProposal, node_depths
 from specdec.validate import as_int, as_token_ids
 from specdec.verifier import Verifier
 
-__all__ = ["Request", "RequestResult", "RunResult", "run", "validate_requests"]
+__all__ = ["LossyVerifierWarning", "Request", "RequestResult", "RunResult", "run", "validate_requests"]
+
+
+class LossyVerifierWarning(UserWarning):
+    """A run uses a verifier that does not preserve the target's distribution."""
 
 
 @dataclass
@@ -89,6 +94,9 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
         eos_token_ids: set[int] | None = None, compact_at: float = 0.5) -> RunResult:
     """Generate for a batch of requests. See the module docstring for the step."""
     validate_requests(target, drafter, requests, k)
+    if not verifier.lossless:
+        warnings.warn(f"verifier {verifier.name!r} is lossy: the output is not distributed as the target's",
+                      LossyVerifierWarning, stacklevel=2)
     rows = RowSampling([r.sampling for r in requests], target.device)
     verifier.check(rows)
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)

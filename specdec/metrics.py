@@ -8,9 +8,12 @@ that the row drafted that deep.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-__all__ = ["RequestMetrics", "RunMetrics", "summarize"]
+__all__ = ["RequestMetrics", "RunMetrics", "summarize", "GenerationSummary"]
 
 
 @dataclass
@@ -103,3 +106,65 @@ def summarize(requests: list[RequestMetrics]) -> dict:
         "acceptance_rate": total.acceptance_rate,
         "acceptance_at": total.acceptance_at,
     }
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """One generation at a glance, every field with its unit in its name or comment.
+
+    ``lossless`` is False when the verifier changes the target's distribution (``typical``):
+    such results are not speculative decoding of the target and say so wherever they are read.
+    Mapping access (``summary["mean_accepted_length"]``) reads :meth:`to_dict`.
+    """
+
+    drafter: str | None  # registered name; None = autoregressive decoding through the same loop
+    verifier: str
+    lossless: bool
+    k: int  # draft tokens per step asked of the drafter
+    requests: int
+    prompt_tokens: int
+    new_tokens: int
+    steps: int  # verification steps, summed over requests
+    mean_accepted_length: float  # tokens per verification step, bonus token included (1.0 = no speculation)
+    acceptance_rate: float  # accepted / drafted tokens
+    acceptance_at: list[float]  # per draft depth: P(accepted | drafted that deep)
+    wall_s: float
+    prefill_s: float
+    draft_s: float  # drafter propose + observe
+    target_s: float  # target forwards after the prefill
+    verify_s: float  # verification math
+    other_s: float  # the loop's own overhead
+    batch_steps: int  # draft → verify steps of the whole batch
+    tokens_per_s: float  # new tokens / wall_s
+    draft_ms_per_step: float
+    verify_ms_per_step: float  # target forward + verification, per batch step
+
+    @classmethod
+    def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
+           lossless: bool, k: int) -> GenerationSummary:
+        per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
+        return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k,
+                   prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
+                   **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
+                   draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        """The summary as JSON text; written to ``path`` too when given."""
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __str__(self) -> str:
+        lossy = "" if self.lossless else " (LOSSY verifier: not the target's distribution)"
+        acc = ", ".join(f"{a:.2f}" for a in self.acceptance_at) or "-"
+        return (f"{self.drafter or 'autoregressive'} / {self.verifier}{lossy}, k={self.k}: "
+                f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); "
+                f"mean accepted length {self.mean_accepted_length:.2f} tokens/step; acceptance by depth [{acc}]; "
+                f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms")

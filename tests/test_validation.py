@@ -101,3 +101,27 @@ def test_random_drafter_exhausting_top_p_falls_back_to_one_hot(target):
         p = d.propose(state, 2, rows)
         p.validate(8, target.vocab_size)  # every drafted token has q > 0
         assert torch.allclose(p.q.sum(-1), torch.ones(8, p.n))
+
+
+def test_summary_is_typed_with_units_saves_as_json_and_labels_lossy_runs(target, tmp_path):
+    import json
+    import warnings
+
+    from specdec.loop import LossyVerifierWarning
+    from specdec.metrics import GenerationSummary
+
+    out = specdec.generate(target, [[1, 2, 3, 1, 2]], drafter="ngram", k=3, max_new_tokens=6)
+    s = out.summary
+    assert isinstance(s, GenerationSummary) and s.lossless and s.drafter == "ngram" and s.verifier == "rejection"
+    assert s["mean_accepted_length"] == s.mean_accepted_length >= 1.0 and s.new_tokens == len(out.tokens[0])
+    assert "tokens/s" in str(s) and "LOSSY" not in str(s)
+    out.save_json(tmp_path / "r.json")
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["summary"] == json.loads(s.to_json()) and saved["tokens"] == out.tokens
+    with pytest.warns(LossyVerifierWarning, match="typical"):
+        lossy = specdec.generate(target, [[1, 2, 3]], drafter="ngram", verifier="typical", max_new_tokens=4,
+                                 sampling=SamplingParams(temperature=1.0, seed=0))
+    assert lossy.summary.lossless is False and "LOSSY" in str(lossy.summary)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LossyVerifierWarning)
+        specdec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=4)  # lossless: no warning
