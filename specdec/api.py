@@ -33,8 +33,17 @@ def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype
 
 
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
-    """Build the drafter registered as ``name`` (:mod:`specdec.registry`) bound to ``target``."""
-    return drafter_class(name).create(target, **options)
+    """Build the drafter registered as ``name`` (:mod:`specdec.registry`) bound to ``target``.
+
+    A ``checkpoint`` option may be a folder, the name of a committed checkpoint or a hub id
+    (:func:`specdec.models.resolve_checkpoint`).
+    """
+    cls = drafter_class(name)
+    if options.get("checkpoint"):
+        from specdec.models import resolve_checkpoint
+
+        options["checkpoint"] = str(resolve_checkpoint(options["checkpoint"]))
+    return cls.create(target, **options)
 
 
 def make_verifier(name: str, **options: Any) -> Verifier:

@@ -90,12 +90,60 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device_map: str | 
 
     ``device_map`` goes to accelerate (e.g. ``"auto"``) so a big target can span GPUs.
     """
+    if not isinstance(name, (str, Path)):
+        raise TypeError(f"a model name must be an alias, a folder or a hub id, got {type(name).__name__}")
+    name = str(name)
     if name in ALIASES:
         hub_id = ALIASES[name]["hub"]
         path: str | Path = hub_id if hub_reachable() else _from_gguf(name)
-    else:
+    elif Path(name).is_dir():
+        path = Path(name)
+        safetensors_files(path)  # refuses a folder of pickled weights here, before transformers sees it
+    elif _looks_like_hub_id(name) and hub_reachable():
         path = name
+    else:
+        raise FileNotFoundError(
+            f"{name!r} is not a local folder, nor one of the aliases {sorted(ALIASES)}"
+            + (", and the hub is unreachable from here (offline), so it cannot be a hub id either"
+               if _looks_like_hub_id(name) else ""))
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map,
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, use_safetensors=True,
                                                  trust_remote_code=trust_remote_code)
     return model.eval(), tok
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def resolve_checkpoint(name: str | Path) -> Path:
+    """A drafter checkpoint folder from a path, the name of a committed checkpoint
+    (``"smollm2-135m-eagle3"``, shipped as ``specdec.checkpoints``), or a hub id (downloaded,
+    safetensors and JSON only, when the hub answers). Any other name fails with what was tried."""
+    if not isinstance(name, (str, Path)):
+        raise TypeError(f"checkpoint must be a folder, a committed checkpoint name or a hub id, got {type(name).__name__}")
+    if Path(name).is_dir():
+        return Path(name)
+    committed = committed_checkpoints()
+    if str(name) in committed:
+        return committed[str(name)]
+    if _looks_like_hub_id(str(name)):
+        if hub_reachable():
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(name), allow_patterns=["*.json", "*.safetensors"]))
+        raise FileNotFoundError(f"checkpoint {str(name)!r}: no such folder or committed checkpoint, and the hub is"
+                                f" unreachable from here (offline); committed checkpoints: {sorted(committed)}")
+    raise FileNotFoundError(f"checkpoint {str(name)!r}: no such folder; committed checkpoints: {sorted(committed)}")
+
+
+def committed_checkpoints() -> dict[str, Path]:
+    """Name → folder of every checkpoint committed with specdec (experiments/checkpoints/)."""
+    from importlib.resources import files
+
+    try:
+        root = Path(str(files("specdec.checkpoints")))
+    except ModuleNotFoundError:
+        return {}
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()}

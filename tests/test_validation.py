@@ -125,3 +125,20 @@ def test_summary_is_typed_with_units_saves_as_json_and_labels_lossy_runs(target,
     with warnings.catch_warnings():
         warnings.simplefilter("error", LossyVerifierWarning)
         specdec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=4)  # lossless: no warning
+
+
+def test_checkpoints_by_name_and_clear_errors_for_missing_ones(target, tmp_path):
+    from specdec.models import committed_checkpoints, load_model, resolve_checkpoint
+
+    committed = committed_checkpoints()
+    assert {"smollm2-135m-eagle3", "tiny-deepseek-v3-mtp"} <= set(committed)
+    assert resolve_checkpoint("smollm2-135m-eagle3") == committed["smollm2-135m-eagle3"]
+    assert (resolve_checkpoint("smollm2-135m-eagle3") / "model.safetensors").is_file()
+    with pytest.raises(FileNotFoundError, match="committed checkpoints: .*smollm2-135m-eagle3"):
+        specdec.make_drafter("eagle3", target, checkpoint="org/some-eagle3")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ValueError, match="only pickled weights"):
+        load_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        load_model(str(tmp_path / "missing"))
