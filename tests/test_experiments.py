@@ -20,8 +20,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from specdec.eval.runner import predicted_speedup, run_experiment
-from specdec.eval.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.runner import peer_kwargs, predicted_speedup, run_experiment
+from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, RunConfig, TargetConfig
 from specdec.drafters import DRAFTERS
 from specdec.sampling import SamplingParams
 
@@ -185,6 +185,11 @@ def test_assistant_model_runs_the_draft_model_weights(target):
     res = run_experiment(_tiny_cfg(drafter=DrafterConfig("draft_model"), hf_compare=["generate", "assistant"]),
                          target=target)
     assert res.tokens("hf_assistant") == res.tokens("hf_generate") == res.tokens("spec")
+    drafter = DRAFTERS["draft_model"].tiny(target)
+    assistant = peer_kwargs("assistant", target, drafter, 3)["assistant_model"]
+    # transformers reads the draft count from the assistant's own generation config, not generate()'s arguments
+    assert assistant.generation_config.num_assistant_tokens == 3 and assistant.lm_head is drafter.draft.model.lm_head
+    assert drafter.draft.model.generation_config.num_assistant_tokens != 3  # the drafter's model is left alone
 
 
 def test_transformers_columns_that_need_a_drafter_say_so(target):
@@ -209,6 +214,28 @@ def test_transformers_use_mtp_runs_the_same_mtp_checkpoint():
                     dataset=DatasetConfig(name="random", num_prompts=2, input_len=16, output_len=12, ignore_eos=True))
     res = run_experiment(cfg)
     assert res.tokens("spec") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+
+
+def test_transformers_gemma4_assistant_runs_the_same_gemma_mtp_assistant():
+    """Side by side with generate(assistant_model=<Gemma4Assistant>) on a tiny Gemma 4 target."""
+    gemma4 = TargetConfig(model="tiny", tiny={"family": "gemma4", "vocab_size": 48, "init_scale": 0.3, "seed": 5})
+    res = run_experiment(_tiny_cfg(target=gemma4, drafter=DrafterConfig("gemma_mtp"), num_speculative_tokens=3,
+                                   hf_compare=["generate", "gemma_mtp"]))
+    assert res.tokens("hf_gemma_mtp") == res.tokens("hf_generate") == res.tokens("spec") == res.tokens("ar")
+    with pytest.raises(ValueError, match="Gemma 4"):  # transformers reads K/V only Gemma targets share
+        run_experiment(_tiny_cfg(drafter=DrafterConfig("gemma_mtp"), hf_compare=["gemma_mtp"]))
+
+
+def test_every_peer_hook_lives_in_a_drafter_room_and_the_runner_names_no_drafter():
+    for kind, hook in HF_METHODS.items():
+        if hook is None:
+            continue
+        module, _, fn = hook.partition(":")
+        assert module.startswith("specdec.drafters.") and callable(getattr(importlib.import_module(module), fn))
+    source = (ROOT / "specdec" / "eval" / "runner.py").read_text()
+    assert "specdec.drafters" not in source.replace("from specdec.drafters import DRAFTERS", "")
+    for name in DRAFTERS:
+        assert f'"{name}"' not in source and f"'{name}'" not in source, name
 
 
 def test_autoregressive_only_run(target):

@@ -19,13 +19,16 @@ __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "
 
 DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench")
 
-# transformers generate() peers run side by side (batch 1). Each names the specdec drafter it mirrors.
-HF_METHODS = {
-    "generate": None,  # plain greedy/sampled generate(): the peer of specdec's autoregressive loop
-    "prompt_lookup": "ngram",  # prompt_lookup_num_tokens=k
-    "assistant": "draft_model",  # assistant_model=<the same draft weights>
-    "mtp": "mtp",  # use_mtp=True on the target's own MTP layers
-    "dflash": "dflash",  # transformers' DFlash candidate generator on the dflash drafter's weights
+# transformers generate() peers, run side by side (batch 1): name -> the hook in a drafter's room
+# ("module:function") that returns generate()'s extra keyword arguments for (target, drafter, k); the hook
+# checks that the run's drafter is the one it mirrors. None: plain generate(), the peer of the `ar` loop.
+HF_METHODS: dict[str, str | None] = {
+    "generate": None,
+    "prompt_lookup": "specdec.drafters.ngram:transformers_peer",  # prompt_lookup_num_tokens=k
+    "assistant": "specdec.drafters.draft_model:transformers_peer",  # assistant_model=<the same draft LM>
+    "mtp": "specdec.drafters.mtp.peer:transformers_peer",  # use_mtp=True on the target's own MTP layers
+    "dflash": "specdec.drafters.dflash.peer:transformers_peer",  # the DFlash candidate generator, same weights
+    "gemma_mtp": "specdec.drafters.gemma_mtp.peer:transformers_peer",  # the Gemma-4 assistant, same weights
 }
 
 

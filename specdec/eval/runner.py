@@ -25,6 +25,7 @@ separates it from the measured decode speedup.
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import subprocess
@@ -134,37 +135,22 @@ class _FirstTokenTimer:
         pass
 
 
-def _hf_method(target: Target, kind: str, k: int, eos: set[int], drafter: Drafter | None,
-               drafter_name: str | None, drafter_options: dict[str, Any]) -> BatchFn:
+def peer_kwargs(kind: str, target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
+    """Extra ``generate()`` arguments of the transformers peer ``kind``, from the hook that
+    :data:`~specdec.eval.config.HF_METHODS` names in the mirrored drafter's room."""
+    hook = HF_METHODS[kind]
+    if hook is None:
+        return {}
+    module, _, fn = hook.partition(":")
+    return getattr(importlib.import_module(module), fn)(target, drafter, k)
+
+
+def _hf_method(target: Target, extra: dict[str, Any], eos: set[int]) -> BatchFn:
+    """``model.generate()`` one request at a time, with the peer's ``extra`` arguments."""
     model = target.model
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = next(iter(eos), 0)
-    extra: dict[str, Any] = {}
-    if kind == "prompt_lookup":
-        extra = {"prompt_lookup_num_tokens": k}
-        if drafter_name == "ngram" and "max_ngram" in drafter_options:
-            extra["max_matching_ngram_size"] = int(drafter_options["max_ngram"])
-    elif kind == "assistant":
-        if drafter_name != "draft_model" or drafter is None:
-            raise ValueError("hf_compare 'assistant' runs the draft_model drafter's weights: use drafter=draft_model")
-        extra = {"assistant_model": drafter.draft.model, "num_assistant_tokens": k,  # type: ignore[attr-defined]
-                 "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-    elif kind == "mtp":
-        if drafter_name != "mtp" or drafter is None:
-            raise ValueError("hf_compare 'mtp' runs the mtp drafter's checkpoint: use drafter=mtp")
-        # transformers finds MTP weights through `_keys_to_ignore_on_load_unexpected`, which
-        # DeepSeek-V3 hard-codes to the 671B layout (model.layers.61): point it at this target's.
-        L, D = target.num_layers, drafter.depth  # type: ignore[attr-defined]
-        model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L + i}\..*" for i in range(D)]
-        extra = {"use_mtp": True}
-    elif kind == "dflash":
-        if drafter_name != "dflash" or drafter is None:
-            raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
-        from specdec.drafters.dflash.peer import to_transformers
-
-        # transformers' DFlashTokenCandidateGenerator drafts a whole block (block_size - 1 tokens)
-        extra = {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}  # type: ignore[arg-type]
     # ignore_eos: an id the model never produces (transformers needs some eos or pad to be set)
     eos_ids = sorted(eos) if eos else None
 
@@ -239,7 +225,7 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
         methods["spec"] = _loop_method(target, drafter, verifier, k, eos)
         baselines["spec"] = "ar"
     for kind in cfg.hf_compare:
-        methods[f"hf_{kind}"] = _hf_method(target, kind, k, eos, drafter, cfg.drafter.name, cfg.drafter.options)
+        methods[f"hf_{kind}"] = _hf_method(target, peer_kwargs(kind, target, drafter, k), eos)
         if kind != "generate":
             baselines[f"hf_{kind}"] = "hf_generate" if "generate" in cfg.hf_compare else "ar"
     if "hf_generate" in methods:
