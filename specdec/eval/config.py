@@ -17,7 +17,7 @@ from specdec.sampling import SamplingParams
 __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "RunConfig", "DATASETS",
            "HF_METHODS"]
 
-DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench")
+DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
 # transformers generate() peers, run side by side (batch 1): name -> the hook in a drafter's room
 # ("module:function") that returns generate()'s extra keyword arguments for (target, drafter, k); the hook
@@ -62,7 +62,7 @@ class DatasetConfig:
     path: str | None = None  # sharegpt / specbench file; None = the offline package (sharegpt only)
     num_prompts: int = 8  # first N after filtering (and shuffling, if asked)
     output_len: int | None = 64  # max new tokens per turn; sharegpt: None = the recorded reply's length
-    input_len: int = 128  # random only: prompt tokens
+    input_len: int = 128  # random and stdlib: prompt tokens
     range_ratio: float = 1.0  # random only: lengths uniform in [ratio * len, len], as SGLang's "random"
     turns: int = 2  # mtbench / specbench: how many user turns per conversation (1 or 2)
     chat: bool = True  # apply the target's chat template where it has one (text datasets)
