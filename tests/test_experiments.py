@@ -20,8 +20,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from specdec.eval.runner import peer_kwargs, predicted_speedup, run_experiment
-from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
+from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig
+from specdec.eval.datasets import load_dataset
 from specdec.drafters import DRAFTERS
 from specdec.sampling import SamplingParams
 
@@ -153,10 +154,26 @@ def test_sweep_and_report(tmp_path):
     _run_entry("-m", *TINY_RUN, "num_speculative_tokens=2,4", "concurrency=1,3", f"hydra.sweep.dir={tmp_path}")
     assert len(list(tmp_path.rglob("summary.json"))) == 4
     md = report.write_report(tmp_path)
-    text = md.read_text()
-    assert text.count("| spec |") == 4 and text.count("| ar |") == 4
+    overview, *sections = md.read_text().split("\n## Run `")
+    assert overview.count(" | spec |") == 4 and overview.count(" | ar |") == 4 and len(sections) == 4
+    assert all("| spec | ngram |" in s and "Drafting" in s for s in sections)  # each run's own summary.md
+    text = overview
     for png in ("throughput_latency.png", "acceptance.png", "speedup_k.png"):
         assert (tmp_path / png).stat().st_size > 5000 and f"]({png})" in text
+
+
+def test_report_of_runs_with_several_methods_and_temperatures(tmp_path, target):
+    for i, temperature in enumerate((0.0, 0.7)):
+        run_experiment(_tiny_cfg(sampling=SamplingParams(temperature=temperature), methods={
+            "ngram": MethodConfig(k=[2, 4]), "draft": MethodConfig(drafter="draft_model")}),
+            out_dir=tmp_path / f"{i}_T{temperature}", target=target)
+    runs = report.load_runs(tmp_path)
+    assert set(report._series(runs)) == {f"{m}{t}" for m in ("autoregressive", "ngram k=2", "ngram k=4", "draft k=4")
+                                         for t in (" (T=0)", " (T=0.7)")}
+    text = report.write_report(tmp_path, per_request=True).read_text()
+    assert text.count("## Run `") == 2 and text.count("| ngram k=4 | ngram | 4 |") == 2  # each run's summary.md
+    assert text.count("| request | id | prompt tokens | ar tok/s | ngram k=2 tok/s") == 2
+    assert text.count("| random-3 |") == 2 and (tmp_path / "speedup_k.png").stat().st_size > 5000
 
 
 # --- measurements, in process ------------------------------------------------------------------
@@ -241,6 +258,50 @@ def test_every_peer_hook_lives_in_a_drafter_room_and_the_runner_names_no_drafter
 def test_autoregressive_only_run(target):
     res = run_experiment(_tiny_cfg(drafter=DrafterConfig(None)), target=target)
     assert set(res.summary) == {"ar"}
+
+
+def test_methods_run_several_drafters_and_ks_interleaved(target):
+    cfg = _tiny_cfg(drafter=DrafterConfig("ngram", {"max_ngram": 2}), hf_compare=["generate"], methods={
+        "ngram": MethodConfig(k=[1, 3]), "ngram1": MethodConfig(options={"max_ngram": 1}),
+        "draft": MethodConfig(drafter="draft_model", k=[2])})
+    assert {n: (d.name, d.options, k) for n, (d, k) in cfg.speculative_methods().items()} == {
+        "ngram k=1": ("ngram", {"max_ngram": 2}, 1), "ngram k=3": ("ngram", {"max_ngram": 2}, 3),
+        "ngram1": ("ngram", {"max_ngram": 1}, 4), "draft": ("draft_model", {}, 2)}  # another drafter: its own options
+    res = run_experiment(cfg, target=target)
+    s = res.summary
+    assert list(s) == ["ar", "ngram k=1", "ngram k=3", "ngram1", "draft", "hf_generate"]
+    assert [(s[m]["drafter"], s[m]["k"]) for m in s] == [(None, 0), ("ngram", 1), ("ngram", 3), ("ngram", 4),
+                                                         ("draft_model", 2), (None, 0)]
+    for m in ("ngram k=1", "ngram k=3", "ngram1", "draft"):
+        assert res.tokens(m) == res.tokens("ar") == res.tokens("hf_generate")  # greedy: lossless
+        assert s[m]["baseline"] == "ar" and len(s[m]["acceptance_at"]) <= s[m]["k"]
+        assert 0 < s[m]["drafted_per_step"] <= s[m]["k"] and s[m]["draft_cost_vs_target_step"] > 0
+        assert s[m]["divergences"] == [] and s[m]["speedup_vs_hf_generate"] > 0
+    assert s["draft"]["drafted_per_step"] == 2  # a draft model always drafts k
+    order = [r["method"] for r in res.records if r["batch"] == 0]  # interleaved: batch 0 of every method first
+    assert order == list(s)
+    md = summary_markdown(s, cfg)
+    assert "| ngram k=3 | ngram | 3 |" in md and "| draft | draft_model | 2 |" in md and "Drafting" in md
+    with pytest.raises(ValueError, match="methods.x.k"):
+        _tiny_cfg(methods={"x": MethodConfig(k=[0])})
+    with pytest.raises(ValueError, match="names no drafter"):
+        _tiny_cfg(drafter=DrafterConfig(None), methods={"x": MethodConfig()})
+
+
+def test_divergences_name_the_first_differing_token_and_the_targets_top2(target):
+    res = run_experiment(_tiny_cfg(drafter=DrafterConfig(None)), target=target)
+    want = res.tokens("ar")
+    records = [dict(r) for r in res.records] + [
+        {**r, "method": "x", "tokens": r["tokens"][:3] + [(r["tokens"][3] + 1) % 64] + r["tokens"][4:]}
+        for r in res.records if r["request"] == 1]
+    prompts = {("ar", i): list(s.prompt_ids) for i, s in enumerate(
+        load_dataset(res.config.dataset, None, target.vocab_size, res.config.seed))}
+    (d,) = divergences(target, records, prompts, "x", "ar")
+    assert (d["request"], d["position"], d["want"]) == (1, 3, want[1][3]) and d["got"] == (want[1][3] + 1) % 64
+    assert d["top2_ids"][0] == want[1][3] and d["top2_logits"][0] >= d["top2_logits"][1]  # greedy: the argmax
+    md = summary_markdown({"ar": res.summary["ar"], "x": {**res.summary["ar"], "method": "x", "baseline": "ar",
+                                                          "identical_to_baseline": 3, "divergences": [d]}})
+    assert f"- x, request 1, position 3: got {d['got']}, ar {d['want']}" in md
 
 
 def test_predicted_speedup_formula():

@@ -14,8 +14,8 @@ from typing import Any
 
 from specdec.sampling import SamplingParams
 
-__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "RunConfig", "DATASETS",
-           "HF_METHODS"]
+__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RunConfig",
+           "DATASETS", "HF_METHODS"]
 
 DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
@@ -88,6 +88,16 @@ class DatasetConfig:
 
 
 @dataclass
+class MethodConfig:
+    """A speculative method of a run (an entry of ``RunConfig.methods``, named by its key): a drafter
+    at one or more k. Every method runs in the same process, batch by batch in turn with the others."""
+
+    drafter: str | None = None  # a key of specdec.drafters.DRAFTERS; None = the run's drafter
+    options: dict[str, Any] = field(default_factory=dict)  # over the run's drafter options if the same drafter
+    k: list[int] = field(default_factory=list)  # one method per k ("<key> k=<k>" if several); [] = the run's k
+
+
+@dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -98,6 +108,7 @@ class RunConfig:
     concurrency: int = 1  # requests decoded together as one batch
     seed: int = 0  # request i samples with seed + i; the random dataset and shuffling use it too
     baseline: bool = True  # also decode autoregressively in the same run (speedups need it)
+    methods: dict[str, MethodConfig] = field(default_factory=dict)  # {} = one method "spec": the drafter at k
     hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
     warmup: bool = True  # one short untimed run of every method first
     progress: bool = True  # tqdm bars
@@ -110,6 +121,26 @@ class RunConfig:
         unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
         if unknown:
             raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(HF_METHODS)}")
+        for key, m in self.methods.items():
+            if m.drafter is None and self.drafter.name is None:
+                raise ValueError(f"methods.{key} names no drafter and the run has none: set methods.{key}.drafter")
+            if any(k < 1 for k in m.k):
+                raise ValueError(f"methods.{key}.k must be >= 1, got {m.k}")
+
+    def speculative_methods(self) -> dict[str, tuple[DrafterConfig, int]]:
+        """Every speculative method, in order: its name -> (its drafter, its k). Without ``methods``,
+        the run's drafter at ``num_speculative_tokens`` as ``spec`` (none without a drafter)."""
+        if not self.methods:
+            return {"spec": (self.drafter, self.num_speculative_tokens)} if self.drafter.name else {}
+        out: dict[str, tuple[DrafterConfig, int]] = {}
+        for key, m in self.methods.items():
+            same = m.drafter in (None, self.drafter.name)
+            drafter = DrafterConfig(m.drafter or self.drafter.name, {**(self.drafter.options if same else {}),
+                                                                     **m.options})
+            ks = m.k or [self.num_speculative_tokens]
+            for k in ks:
+                out[key if len(ks) == 1 else f"{key} k={k}"] = (drafter, k)
+        return out
 
     @property
     def request_seed_base(self) -> int:
