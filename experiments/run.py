@@ -24,7 +24,7 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig
@@ -42,7 +42,10 @@ def register_configs() -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The one conversion from Hydra's composed config to the library's typed config."""
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    if "hydra" in cfg:  # composed with return_hydra_config=True (the tests read the sweeper's params)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, RunConfig)
     return obj

@@ -32,6 +32,10 @@ CONF = EXP / "conf"
 GROUPS = ("target", "drafter", "verifier", "dataset", "sampling")
 TINY_RUN = ["target=tiny", "dataset=random", "dataset.num_prompts=3", "dataset.input_len=10", "dataset.output_len=12",
             "progress=false"]
+# A preset on the tiny target: random prompts, greedy, a few tokens (target.model: bench_mtp names a folder)
+TINY_PRESET = ["target=tiny", "target.model=tiny", "dataset=random", "dataset.num_prompts=2", "dataset.input_len=8",
+               "dataset.output_len=5", "sampling=greedy", "progress=false", "warmup=false"]
+PRESETS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem != "config")
 
 
 def _load(name: str, path: Path):
@@ -90,9 +94,60 @@ def test_every_combination_of_groups_converts_to_a_run_config():
         assert isinstance(run.sampling, SamplingParams)
 
 
-def test_the_sweep_preset_composes(hydra_conf):
-    run = entry.to_run_config(compose(config_name="smollm2_ngram_sweep"))
-    assert run.dataset.name == "mtbench" and run.dataset.turns == 1 and run.drafter.name == "ngram"
+def _preset_runs(preset: str) -> list[RunConfig]:
+    """The preset as it composes, and with every value of every parameter its ``-m`` sweep runs,
+    one override at a time (the sweep's jobs combine them)."""
+    cfg = compose(config_name=preset, return_hydra_config=True)
+    values = [f"{k}={v}" for k, vs in (cfg.hydra.sweeper.params or {}).items() for v in str(vs).split(",")]
+    return [entry.to_run_config(cfg)] + [entry.to_run_config(compose(config_name=preset, overrides=[v]))
+                                         for v in values]
+
+
+def test_every_preset_and_every_value_of_its_sweep_converts_to_a_run_config(hydra_conf):
+    assert {"bench_ngram", "bench_mtp", "bench_mtp_smollm2", "bench_eagle3", "bench_dflash", "bench_dflash_batch",
+            "bench_gemma_mtp", "smollm2_ngram_sweep", "smollm2_drafters"} <= set(PRESETS)
+    runs = {preset: _preset_runs(preset) for preset in PRESETS}
+    assert len(runs["bench_dflash"]) == 1 + 4 and len(runs["smollm2_drafters"]) == 1 + 8
+    assert len(runs["bench_ngram"]) == 1
+    for preset, configs in runs.items():
+        for run in configs:
+            assert isinstance(run, RunConfig) and run.speculative_methods(), preset
+    assert {r.drafter.name for r in runs["smollm2_drafters"]} == {"ngram", "mtp", "gemma_mtp", "eagle3", "dflash",
+                                                                  "dspark"}
+    run = entry.to_run_config(compose(config_name="bench_dflash_batch", overrides=["concurrency=16"]))
+    assert run.dataset.num_prompts == 16  # one batch per job
+    run = entry.to_run_config(compose(config_name="bench_eagle3", overrides=["sampling.temperature=0.7"]))
+    assert run.sampling.temperature == 0.7 and run.dataset.turns == 1 and list(run.speculative_methods()) == [
+        "chain k=3", "chain k=5", "chain k=7", "static_tree", "dynamic_tree16", "dynamic_tree32"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_on_the_tiny_target(preset, hydra_conf, target, tmp_path, monkeypatch):
+    """The preset's methods, peers and settings, each drafter built by its tiny() on random prompts."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # DSpark's scheduler profiles its step costs there
+    cfg = entry.to_run_config(compose(config_name=preset, overrides=TINY_PRESET))
+    res = run_experiment(cfg, target=target)
+    methods = list(cfg.speculative_methods())
+    assert list(res.summary) == ["ar", *methods, *(f"hf_{kind}" for kind in cfg.hf_compare)]
+    for m in methods:  # greedy: every method is lossless
+        assert res.tokens(m) == res.tokens("ar") and res.summary[m]["k"] == cfg.speculative_methods()[m][1]
+    assert "| ar |" in summary_markdown(res.summary, cfg)
+
+
+def test_the_dspark_scheduler_profiles_its_costs_at_the_methods_gamma(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    widths = {g: DRAFTERS["dspark"].tiny(target, scheduler=True, profile_gamma=g).costs.verify_tokens for g in (2, 4)}
+    assert widths[2][:3] == [1, 2, 3] and widths[4][:3] == [1, 3, 4]  # one row: 1, 1 + γ/2, 1 + γ tokens
+
+
+def test_docs_list_every_preset_and_drafter_config_with_its_command():
+    doc = (ROOT / "docs" / "experiments.md").read_text()
+    for preset in PRESETS:
+        assert f"--config-name {preset}" in doc, preset
+    for drafter in _options("drafter"):
+        assert f"`drafter={drafter}`" in doc, drafter
+    for script in ("bench_ngram", "bench_mtp", "bench_eagle3", "bench_dflash", "bench_gemma_mtp"):
+        assert not (EXP / f"{script}.py").exists()  # the scripts became presets
 
 
 def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
@@ -223,14 +278,17 @@ def test_transformers_dflash_runs_the_same_dflash_weights(target):
     assert res.summary["hf_dflash"]["baseline"] == "hf_generate"
 
 
-def test_transformers_use_mtp_runs_the_same_mtp_checkpoint():
-    """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules."""
-    ckpt = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
-    cfg = _tiny_cfg(target=TargetConfig(model=str(ckpt)), drafter=DrafterConfig("mtp", {"checkpoint": str(ckpt)}),
-                    num_speculative_tokens=2, hf_compare=["generate", "mtp"],
-                    dataset=DatasetConfig(name="random", num_prompts=2, input_len=16, output_len=12, ignore_eos=True))
+def test_transformers_use_mtp_runs_the_same_mtp_checkpoint(hydra_conf, monkeypatch):
+    """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules:
+    the bench_mtp preset on its own target and held-out code, cut down."""
+    monkeypatch.chdir(ROOT)  # the preset names the checkpoint relative to the repository root
+    cfg = entry.to_run_config(compose(config_name="bench_mtp", overrides=[
+        "dataset.num_prompts=2", "dataset.output_len=12", "hf_compare=[generate,mtp]", "~methods.last",
+        "~methods.tree_top3", "methods.cycle.k=[2]", "progress=false"]))
     res = run_experiment(cfg)
-    assert res.tokens("spec") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+    assert list(res.summary) == ["ar", "cycle", "hf_generate", "hf_mtp"] and res.config.dataset.name == "stdlib"
+    assert res.tokens("cycle") == res.tokens("ar") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+    assert all(len(t) == 12 for t in res.tokens("cycle")) and res.summary["cycle"]["mean_accepted_length"] > 1
 
 
 def test_transformers_gemma4_assistant_runs_the_same_gemma_mtp_assistant():

@@ -64,12 +64,15 @@ def build_target(cfg: TargetConfig) -> Target:
 
 
 def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:
-    """The configured drafter; on the tiny target, the drafter's own random-weight ``tiny()``."""
+    """The configured drafter; on the tiny target, the drafter's own random-weight ``tiny()`` (a
+    configured ``checkpoint`` holds weights for the real target: it is left out)."""
     name, options = cfg.name, dict(cfg.options)
     if not name:
         return None
     if target_cfg.model == "tiny":
         from specdec.drafters import DRAFTERS
+
+        options.pop("checkpoint", None)
 
         if name not in DRAFTERS:
             raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}")
