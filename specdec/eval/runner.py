@@ -19,7 +19,7 @@ finishes; finished rows leave the batch at once). Batches of the methods are int
 drift of the machine hits every method alike. Multi-turn datasets run turn by turn: turn 2 of a
 conversation is encoded with the method's own answer to turn 1.
 
-Measured speedup and predicted speedup (``SpeedupModel``) sit side by side: the prediction uses the
+Measured speedup and predicted speedup (:func:`predicted_speedup`) sit side by side: the prediction uses the
 measured mean accepted length, the measured per-step draft and verify costs of the speculative run
 and the measured per-token target cost of the autoregressive run; the loop's own overhead is what
 separates it from the measured decode speedup.
