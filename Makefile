@@ -9,7 +9,10 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test bench-ngram sweep-ngram sweep-drafters
+# The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
+BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp
+
+.PHONY: setup demo test sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -29,8 +32,10 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q
 
-bench-ngram: setup
-	$(PY) experiments/bench_ngram.py
+# One benchmark preset (every job of its sweep), then its report with per-request tables (in multirun/bench_<name>/)
+$(addprefix bench-,$(BENCHES)): bench-%: setup
+	$(PY) experiments/run.py --config-name bench_$(subst -,_,$*) -m
+	$(PY) experiments/report.py multirun/bench_$(subst -,_,$*) --per-request
 
 # The sweep behind docs/results.md, then its figures and report (in multirun/smollm2_ngram_sweep/)
 sweep-ngram: setup

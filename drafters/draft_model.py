@@ -9,6 +9,7 @@ Rejected drafts are rolled back out of the draft cache in :meth:`DraftModelDraft
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ from specdec.sampling import RowSampling
 from specdec.target import Target, TargetSession
 from specdec.types import Committed, DraftProposal
 
-__all__ = ["DraftModelDrafter", "DraftModelConfig", "DraftModelState"]
+__all__ = ["DraftModelDrafter", "DraftModelConfig", "DraftModelState", "transformers_assistant",
+           "transformers_peer"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,21 @@ class DraftModelDrafter(Drafter):
         d = cls(model, **overrides)
         d.bind(target)
         return d
+
+
+def transformers_assistant(model: PreTrainedModel, k: int) -> PreTrainedModel:
+    """``model`` as transformers' assistant drafting exactly ``k`` tokens a step. Its candidate
+    generators read that count from the assistant's own generation config (``generate()``'s
+    ``num_assistant_tokens`` argument is ignored), so a shallow copy (same weights) carries it."""
+    assistant = copy.copy(model)
+    assistant.generation_config = copy.deepcopy(model.generation_config)
+    assistant.generation_config.update(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+    return assistant
+
+
+def transformers_peer(target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
+    """``generate()`` arguments for transformers' assisted generation with this drafter's own LM."""
+    if not isinstance(drafter, DraftModelDrafter):
+        raise ValueError("hf_compare 'assistant' runs the draft_model drafter's weights: use drafter=draft_model")
+    return {"assistant_model": transformers_assistant(drafter.draft.model, k)}

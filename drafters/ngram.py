@@ -19,7 +19,7 @@ from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal
 
-__all__ = ["NgramDrafter", "NgramConfig", "lookup"]
+__all__ = ["NgramDrafter", "NgramConfig", "lookup", "transformers_peer"]
 
 
 @dataclass(frozen=True)
@@ -84,3 +84,13 @@ class NgramDrafter(Drafter):
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> NgramDrafter:
         return cls.create(target, **overrides)
+
+
+def transformers_peer(target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
+    """``generate()`` arguments for transformers' prompt lookup, the peer of this drafter: ``k``
+    tokens per step, matching the drafter's ``max_ngram`` (transformers' own default, 2, for any
+    other drafter)."""
+    extra: dict[str, Any] = {"prompt_lookup_num_tokens": k}
+    if isinstance(drafter, NgramDrafter):
+        extra["max_matching_ngram_size"] = drafter.config.max_ngram
+    return extra

@@ -1,16 +1,21 @@
 """Figures and a markdown report for a sweep (a Hydra multirun folder) or a single run folder.
 
-    .venv/bin/python experiments/report.py multirun/<date>/<time> [--out DIR] [--title TEXT]
+    .venv/bin/python experiments/report.py multirun/<date>/<time> [--out DIR] [--title TEXT] [--per-request]
 
 Reads every ``summary.json`` below the folder (with the ``config.json`` beside it) and writes to
 ``--out`` (default: the folder itself):
 
 - ``throughput_latency.png``: throughput (tokens/s) against mean end-to-end latency, one point per
-  concurrency, one line for autoregressive decoding and one per drafter and k;
-- ``acceptance.png``: acceptance per draft position, one line per drafter and k (lowest concurrency);
+  concurrency, one line for autoregressive decoding and one per speculative method (drafter and k);
+- ``acceptance.png``: acceptance per draft position, one line per speculative method (lowest concurrency);
 - ``speedup_k.png``: speedup over autoregressive decoding against k: measured end to end, measured
   decode only, and predicted from measured acceptance and costs (the gap is loop overhead);
-- ``report.md``: the figures and a table of every run.
+- ``report.md``: the figures, a table of every method of every run, and each run's own tables
+  (its ``summary.md``, written by :func:`specdec.eval.runner.summary_markdown`); with
+  ``--per-request``, tokens/s of every method and mean accepted length per request too.
+
+Methods from several runs that share a name (a sweep over temperature or dataset) are told apart
+by what differs between the runs, e.g. ``spec k=4 (mtbench, T=0.7)``.
 """
 
 from __future__ import annotations
@@ -41,25 +46,44 @@ def load_runs(folder: Path) -> list[dict]:
     return runs
 
 
-def _label(run: dict) -> str:
-    d = run["config"]["drafter"]
-    return f"{d['name']} k={run['config']['num_speculative_tokens']}"
+def _speculative(run: dict) -> dict[str, dict]:
+    """The run's speculative methods (this library's loop with a drafter): method -> summary."""
+    return {m: s for m, s in run["summary"].items() if m != "ar" and "prefill_s" in s}
+
+
+def _family(run: dict, method: str) -> str:
+    """A method's name without its k: the drafter for the plain ``spec``, the methods key otherwise."""
+    return (run["config"]["drafter"]["name"] or method) if method == "spec" else method.rsplit(" k=", 1)[0]
+
+
+def _context(runs: list[dict]):
+    """A function run -> what sets it apart from the other runs (dataset, temperature), or ""."""
+    def key(r: dict) -> tuple[str, float]:
+        return r["config"]["dataset"]["name"], r["config"]["sampling"]["temperature"]
+
+    varies = [len({key(r)[i] for r in runs}) > 1 for i in range(2)]
+
+    def context(r: dict) -> str:
+        parts = [p for p, v in zip((key(r)[0], f"T={key(r)[1]:g}"), varies) if v]
+        return f" ({', '.join(parts)})" if parts else ""
+    return context
 
 
 def _series(runs: list[dict]) -> dict[str, dict[int, dict]]:
     """label -> concurrency -> summary (autoregressive runs of several jobs are averaged)."""
-    ar: dict[int, list[dict]] = defaultdict(list)
-    out: dict[str, dict[int, dict]] = defaultdict(dict)
+    ar: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    out: dict[tuple[str, int, str], dict[int, dict]] = defaultdict(dict)
+    context = _context(runs)
     for r in runs:
         c = r["config"]["concurrency"]
         if "ar" in r["summary"]:
-            ar[c].append(r["summary"]["ar"])
-        if "spec" in r["summary"]:
-            out[_label(r)][c] = r["summary"]["spec"]
-    series = {"autoregressive": {c: {"tokens_per_s": statistics.fmean(s["tokens_per_s"] for s in ss),
-                                     "latency_mean_s": statistics.fmean(s["latency_mean_s"] for s in ss)}
-                                 for c, ss in ar.items()}} if ar else {}
-    series.update(sorted(out.items(), key=lambda kv: (kv[0].split(" k=")[0], int(kv[0].split("k=")[1]))))
+            ar[context(r)][c].append(r["summary"]["ar"])
+        for m, s in _speculative(r).items():
+            out[_family(r, m), s["k"], context(r)][c] = s
+    series = {f"autoregressive{ctx}": {c: {"tokens_per_s": statistics.fmean(s["tokens_per_s"] for s in ss),
+                                           "latency_mean_s": statistics.fmean(s["latency_mean_s"] for s in ss)}
+                                       for c, ss in by_c.items()} for ctx, by_c in ar.items()}
+    series.update({f"{fam} k={k}{ctx}": by_c for (fam, k, ctx), by_c in sorted(out.items())})
     return series
 
 
@@ -77,7 +101,7 @@ def plot_throughput_latency(runs: list[dict], path: Path, title: str) -> None:
     for label, by_c in _series(runs).items():
         cs = sorted(by_c)
         xs, ys = [by_c[c]["latency_mean_s"] for c in cs], [by_c[c]["tokens_per_s"] for c in cs]
-        ax.plot(xs, ys, marker="o", linestyle="--" if label == "autoregressive" else "-", label=label)
+        ax.plot(xs, ys, marker="o", linestyle="--" if label.startswith("autoregressive") else "-", label=label)
         for c, x, y in zip(cs, xs, ys):
             ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
     ax.set_xlabel("mean end-to-end latency per request (s)")
@@ -89,7 +113,7 @@ def plot_throughput_latency(runs: list[dict], path: Path, title: str) -> None:
 def plot_acceptance(runs: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
     for label, by_c in _series(runs).items():
-        if label == "autoregressive":
+        if label.startswith("autoregressive"):
             continue
         s = by_c[min(by_c)]
         acc = s.get("acceptance_at") or []
@@ -105,10 +129,10 @@ def plot_acceptance(runs: list[dict], path: Path, title: str) -> None:
 def plot_speedup_k(runs: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
     groups: dict[tuple[str, int], list[tuple[int, dict]]] = defaultdict(list)
+    context = _context(runs)
     for r in runs:
-        if "spec" in r["summary"]:
-            groups[(r["config"]["drafter"]["name"], r["config"]["concurrency"])].append(
-                (r["config"]["num_speculative_tokens"], r["summary"]["spec"]))
+        for m, s in _speculative(r).items():
+            groups[(_family(r, m) + context(r), r["config"]["concurrency"])].append((s["k"], s))
     styles = {"speedup": ("-", "o", "measured"), "decode_speedup": (":", "s", "measured, decode only"),
               "predicted_speedup": ("--", "^", "predicted (acceptance, costs)")}
     for i, ((name, c), pts) in enumerate(sorted(groups.items())):
@@ -134,7 +158,23 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def write_report(folder: Path, out: Path | None = None, title: str | None = None) -> Path:
+def per_request_table(run: dict) -> list[str]:
+    """Per request of one run: tokens/s of every method and mean accepted length of the speculative ones."""
+    recs = [json.loads(line) for line in (run["dir"] / "requests.jsonl").read_text().splitlines()]
+    methods, spec = list(run["summary"]), list(_speculative(run))
+    by = {(r["method"], r["request"]): r for r in recs}
+    lines = ["| request | id | prompt tokens | " + " | ".join(f"{m} tok/s" for m in methods)
+             + "".join(f" | {m} mean acc. len" for m in spec) + " |",
+             "|---:|---|---:|" + "---:|" * (len(methods) + len(spec))]
+    for i in sorted({r["request"] for r in recs}):
+        first = by[methods[0], i]
+        rates = [by[m, i]["new_tokens"] / by[m, i]["latency_s"] if by[m, i]["latency_s"] else 0.0 for m in methods]
+        lines.append(f"| {i} | {first['id']} | {first['prompt_tokens']} | " + " | ".join(f"{x:.1f}" for x in rates)
+                     + "".join(f" | {by[m, i]['mean_accepted_length']:.2f}" for m in spec) + " |")
+    return lines
+
+
+def write_report(folder: Path, out: Path | None = None, title: str | None = None, per_request: bool = False) -> Path:
     runs = load_runs(folder)
     out = out or folder
     out.mkdir(parents=True, exist_ok=True)
@@ -150,20 +190,25 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
              f" git {runs[0]['meta'].get('git_sha') or '?'}, torch {runs[0]['meta'].get('torch')},"
              f" {runs[0]['meta'].get('torch_threads')} thread(s)).", ""]
     lines += [f"![{n}]({n})" for n in figures] + [""]
-    lines += ["| run | drafter | k | concurrency | method | tok/s | latency mean s | TTFT ms | TPOT ms | speedup"
-              " | decode speedup | predicted | mean acc. len | loop overhead |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(runs, key=lambda r: (r["config"]["drafter"]["name"] or "", r["config"]["num_speculative_tokens"],
-                                         r["config"]["concurrency"])):
+    lines += ["| run | dataset | T | drafter | k | concurrency | method | tok/s | latency mean s | TTFT ms | TPOT ms"
+              " | speedup | decode speedup | predicted | mean acc. len | loop overhead |",
+              "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    runs.sort(key=lambda r: (r["config"]["drafter"]["name"] or "", r["config"]["num_speculative_tokens"],
+                             r["config"]["concurrency"], r["dir"].name))
+    for r in runs:
         cfg = r["config"]
         for method, s in r["summary"].items():
             lines.append(
-                f"| {r['dir'].name.split('_')[0]} | {cfg['drafter']['name'] or '-'}"
-                f" | {s['k'] if method != 'ar' and s.get('k') else '-'} | {s['concurrency']}"
+                f"| {r['dir'].name.split('_')[0]} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
+                f" | {s.get('drafter', cfg['drafter']['name']) or '-'} | {s.get('k') or '-'} | {s['concurrency']}"
                 f" | {method} | {s['tokens_per_s']:.1f} | {s['latency_mean_s']:.2f} | {s['ttft_mean_s'] * 1e3:.0f}"
                 f" | {s['tpot_mean_s'] * 1e3:.1f} | {_fmt(s.get('speedup'), '.2f')}"
                 f" | {_fmt(s.get('decode_speedup'), '.2f')} | {_fmt(s.get('predicted_speedup'), '.2f')}"
                 f" | {_fmt(s.get('mean_accepted_length'), '.2f')} | {_fmt(s.get('overhead_frac'), '.1%')} |")
+    for r in runs:  # each run's own tables, as the runner wrote them
+        lines += ["", f"## Run `{r['dir'].name}`", "", (r["dir"] / "summary.md").read_text().rstrip()]
+        if per_request:
+            lines += ["", "Per request:", "", *per_request_table(r)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
 
@@ -173,8 +218,9 @@ def main() -> None:
     ap.add_argument("folder", type=Path, help="a multirun folder (or one run folder)")
     ap.add_argument("--out", type=Path, default=None, help="where figures and report.md go (default: folder)")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--per-request", action="store_true", help="also tokens/s and acceptance per request")
     args = ap.parse_args()
-    print(write_report(args.folder, args.out, args.title))
+    print(write_report(args.folder, args.out, args.title, args.per_request))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
     .venv/bin/python experiments/run.py drafter=ngram num_speculative_tokens=8 dataset=humaneval
     .venv/bin/python experiments/run.py -m num_speculative_tokens=2,4,8 concurrency=1,2,4,8
     .venv/bin/python experiments/run.py target=tiny dataset=random dataset.num_prompts=4   # seconds
+    .venv/bin/python experiments/run.py --config-name bench_eagle3 -m       # a preset: conf/<preset>.yaml
 
-Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``. They compose
+Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
+``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose
 onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
 ``OmegaConf.to_object``: types are checked, unknown keys fail, and the library sees only its own
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
@@ -24,7 +26,7 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig
@@ -42,7 +44,10 @@ def register_configs() -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The one conversion from Hydra's composed config to the library's typed config."""
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]) if "hydra" in cfg else cfg
+    if "hydra" in cfg:  # composed with return_hydra_config=True (the tests read the sweeper's params)
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, RunConfig)
     return obj

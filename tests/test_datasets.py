@@ -120,3 +120,27 @@ def test_bad_dataset_configs_fail_early():
         DatasetConfig(name="specbench")
     with pytest.raises(ValueError, match="sharegpt only"):
         DatasetConfig(name="mtbench", output_len=None)
+
+
+def test_copy_prompts_are_text_turns():
+    samples = load_dataset(DatasetConfig(name="copy", num_prompts=10, output_len=16))
+    assert len(samples) == 6 and all(len(s.turns) == 1 and s.prompt_ids is None for s in samples)
+    assert "Rename the variable" in samples[0].turns[0] and {s.output_len for s in samples} == {16}
+
+
+def test_stdlib_prompts_are_held_out_code_cut_to_input_len():
+    from specdec.training.text import stdlib_files
+
+    class Bytes:  # a byte-level stand-in tokenizer
+        def encode(self, text):
+            return list(text.encode())
+
+    held, train = {f.stem for f in stdlib_files("heldout")}, {f.stem for f in stdlib_files("train")}
+    samples = load_dataset(DatasetConfig(name="stdlib", num_prompts=len(held) + 2, input_len=40, output_len=8),
+                           Bytes())
+    assert len(samples) == len(held) + 2 and all(len(s.prompt_ids) == 40 for s in samples)
+    stems = [s.id.split("-")[1] for s in samples]
+    assert set(stems) == held and not set(stems) & train
+    assert samples[0].id != samples[len(held)].id  # the second round of files starts further in
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_dataset(DatasetConfig(name="stdlib", num_prompts=1))

@@ -20,8 +20,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from specdec.eval.runner import predicted_speedup, run_experiment
-from specdec.eval.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
+from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig
+from specdec.eval.datasets import load_dataset
 from specdec.drafters import DRAFTERS
 from specdec.sampling import SamplingParams
 
@@ -31,6 +32,10 @@ CONF = EXP / "conf"
 GROUPS = ("target", "drafter", "verifier", "dataset", "sampling")
 TINY_RUN = ["target=tiny", "dataset=random", "dataset.num_prompts=3", "dataset.input_len=10", "dataset.output_len=12",
             "progress=false"]
+# A preset on the tiny target: random prompts, greedy, a few tokens (target.model: bench_mtp names a folder)
+TINY_PRESET = ["target=tiny", "target.model=tiny", "dataset=random", "dataset.num_prompts=2", "dataset.input_len=8",
+               "dataset.output_len=5", "sampling=greedy", "progress=false", "warmup=false"]
+PRESETS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem != "config")
 
 
 def _load(name: str, path: Path):
@@ -89,9 +94,60 @@ def test_every_combination_of_groups_converts_to_a_run_config():
         assert isinstance(run.sampling, SamplingParams)
 
 
-def test_the_sweep_preset_composes(hydra_conf):
-    run = entry.to_run_config(compose(config_name="smollm2_ngram_sweep"))
-    assert run.dataset.name == "mtbench" and run.dataset.turns == 1 and run.drafter.name == "ngram"
+def _preset_runs(preset: str) -> list[RunConfig]:
+    """The preset as it composes, and with every value of every parameter its ``-m`` sweep runs,
+    one override at a time (the sweep's jobs combine them)."""
+    cfg = compose(config_name=preset, return_hydra_config=True)
+    values = [f"{k}={v}" for k, vs in (cfg.hydra.sweeper.params or {}).items() for v in str(vs).split(",")]
+    return [entry.to_run_config(cfg)] + [entry.to_run_config(compose(config_name=preset, overrides=[v]))
+                                         for v in values]
+
+
+def test_every_preset_and_every_value_of_its_sweep_converts_to_a_run_config(hydra_conf):
+    assert {"bench_ngram", "bench_mtp", "bench_mtp_smollm2", "bench_eagle3", "bench_dflash", "bench_dflash_batch",
+            "bench_gemma_mtp", "smollm2_ngram_sweep", "smollm2_drafters"} <= set(PRESETS)
+    runs = {preset: _preset_runs(preset) for preset in PRESETS}
+    assert len(runs["bench_dflash"]) == 1 + 4 and len(runs["smollm2_drafters"]) == 1 + 8
+    assert len(runs["bench_ngram"]) == 1
+    for preset, configs in runs.items():
+        for run in configs:
+            assert isinstance(run, RunConfig) and run.speculative_methods(), preset
+    assert {r.drafter.name for r in runs["smollm2_drafters"]} == {"ngram", "mtp", "gemma_mtp", "eagle3", "dflash",
+                                                                  "dspark"}
+    run = entry.to_run_config(compose(config_name="bench_dflash_batch", overrides=["concurrency=16"]))
+    assert run.dataset.num_prompts == 16  # one batch per job
+    run = entry.to_run_config(compose(config_name="bench_eagle3", overrides=["sampling.temperature=0.7"]))
+    assert run.sampling.temperature == 0.7 and run.dataset.turns == 1 and list(run.speculative_methods()) == [
+        "chain k=3", "chain k=5", "chain k=7", "static_tree", "dynamic_tree16", "dynamic_tree32"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_on_the_tiny_target(preset, hydra_conf, target, tmp_path, monkeypatch):
+    """The preset's methods, peers and settings, each drafter built by its tiny() on random prompts."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # DSpark's scheduler profiles its step costs there
+    cfg = entry.to_run_config(compose(config_name=preset, overrides=TINY_PRESET))
+    res = run_experiment(cfg, target=target)
+    methods = list(cfg.speculative_methods())
+    assert list(res.summary) == ["ar", *methods, *(f"hf_{kind}" for kind in cfg.hf_compare)]
+    for m in methods:  # greedy: every method is lossless
+        assert res.tokens(m) == res.tokens("ar") and res.summary[m]["k"] == cfg.speculative_methods()[m][1]
+    assert "| ar |" in summary_markdown(res.summary, cfg)
+
+
+def test_the_dspark_scheduler_profiles_its_costs_at_the_methods_gamma(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    widths = {g: DRAFTERS["dspark"].tiny(target, scheduler=True, profile_gamma=g).costs.verify_tokens for g in (2, 4)}
+    assert widths[2][:3] == [1, 2, 3] and widths[4][:3] == [1, 3, 4]  # one row: 1, 1 + γ/2, 1 + γ tokens
+
+
+def test_docs_list_every_preset_and_drafter_config_with_its_command():
+    doc = (ROOT / "docs" / "experiments.md").read_text()
+    for preset in PRESETS:
+        assert f"--config-name {preset}" in doc, preset
+    for drafter in _options("drafter"):
+        assert f"`drafter={drafter}`" in doc, drafter
+    for script in ("bench_ngram", "bench_mtp", "bench_eagle3", "bench_dflash", "bench_gemma_mtp"):
+        assert not (EXP / f"{script}.py").exists()  # the scripts became presets
 
 
 def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
@@ -153,10 +209,26 @@ def test_sweep_and_report(tmp_path):
     _run_entry("-m", *TINY_RUN, "num_speculative_tokens=2,4", "concurrency=1,3", f"hydra.sweep.dir={tmp_path}")
     assert len(list(tmp_path.rglob("summary.json"))) == 4
     md = report.write_report(tmp_path)
-    text = md.read_text()
-    assert text.count("| spec |") == 4 and text.count("| ar |") == 4
+    overview, *sections = md.read_text().split("\n## Run `")
+    assert overview.count(" | spec |") == 4 and overview.count(" | ar |") == 4 and len(sections) == 4
+    assert all("| spec | ngram |" in s and "Drafting" in s for s in sections)  # each run's own summary.md
+    text = overview
     for png in ("throughput_latency.png", "acceptance.png", "speedup_k.png"):
         assert (tmp_path / png).stat().st_size > 5000 and f"]({png})" in text
+
+
+def test_report_of_runs_with_several_methods_and_temperatures(tmp_path, target):
+    for i, temperature in enumerate((0.0, 0.7)):
+        run_experiment(_tiny_cfg(sampling=SamplingParams(temperature=temperature), methods={
+            "ngram": MethodConfig(k=[2, 4]), "draft": MethodConfig(drafter="draft_model")}),
+            out_dir=tmp_path / f"{i}_T{temperature}", target=target)
+    runs = report.load_runs(tmp_path)
+    assert set(report._series(runs)) == {f"{m}{t}" for m in ("autoregressive", "ngram k=2", "ngram k=4", "draft k=4")
+                                         for t in (" (T=0)", " (T=0.7)")}
+    text = report.write_report(tmp_path, per_request=True).read_text()
+    assert text.count("## Run `") == 2 and text.count("| ngram k=4 | ngram | 4 |") == 2  # each run's summary.md
+    assert text.count("| request | id | prompt tokens | ar tok/s | ngram k=2 tok/s") == 2
+    assert text.count("| random-3 |") == 2 and (tmp_path / "speedup_k.png").stat().st_size > 5000
 
 
 # --- measurements, in process ------------------------------------------------------------------
@@ -185,6 +257,11 @@ def test_assistant_model_runs_the_draft_model_weights(target):
     res = run_experiment(_tiny_cfg(drafter=DrafterConfig("draft_model"), hf_compare=["generate", "assistant"]),
                          target=target)
     assert res.tokens("hf_assistant") == res.tokens("hf_generate") == res.tokens("spec")
+    drafter = DRAFTERS["draft_model"].tiny(target)
+    assistant = peer_kwargs("assistant", target, drafter, 3)["assistant_model"]
+    # transformers reads the draft count from the assistant's own generation config, not generate()'s arguments
+    assert assistant.generation_config.num_assistant_tokens == 3 and assistant.lm_head is drafter.draft.model.lm_head
+    assert drafter.draft.model.generation_config.num_assistant_tokens != 3  # the drafter's model is left alone
 
 
 def test_transformers_columns_that_need_a_drafter_say_so(target):
@@ -201,19 +278,88 @@ def test_transformers_dflash_runs_the_same_dflash_weights(target):
     assert res.summary["hf_dflash"]["baseline"] == "hf_generate"
 
 
-def test_transformers_use_mtp_runs_the_same_mtp_checkpoint():
-    """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules."""
-    ckpt = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
-    cfg = _tiny_cfg(target=TargetConfig(model=str(ckpt)), drafter=DrafterConfig("mtp", {"checkpoint": str(ckpt)}),
-                    num_speculative_tokens=2, hf_compare=["generate", "mtp"],
-                    dataset=DatasetConfig(name="random", num_prompts=2, input_len=16, output_len=12, ignore_eos=True))
+def test_transformers_use_mtp_runs_the_same_mtp_checkpoint(hydra_conf, monkeypatch):
+    """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules:
+    the bench_mtp preset on its own target and held-out code, cut down."""
+    monkeypatch.chdir(ROOT)  # the preset names the checkpoint relative to the repository root
+    cfg = entry.to_run_config(compose(config_name="bench_mtp", overrides=[
+        "dataset.num_prompts=2", "dataset.output_len=12", "hf_compare=[generate,mtp]", "~methods.last",
+        "~methods.tree_top3", "methods.cycle.k=[2]", "progress=false"]))
     res = run_experiment(cfg)
-    assert res.tokens("spec") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+    assert list(res.summary) == ["ar", "cycle", "hf_generate", "hf_mtp"] and res.config.dataset.name == "stdlib"
+    assert res.tokens("cycle") == res.tokens("ar") == res.tokens("hf_generate") == res.tokens("hf_mtp")
+    assert all(len(t) == 12 for t in res.tokens("cycle")) and res.summary["cycle"]["mean_accepted_length"] > 1
+
+
+def test_transformers_gemma4_assistant_runs_the_same_gemma_mtp_assistant():
+    """Side by side with generate(assistant_model=<Gemma4Assistant>) on a tiny Gemma 4 target."""
+    gemma4 = TargetConfig(model="tiny", tiny={"family": "gemma4", "vocab_size": 48, "init_scale": 0.3, "seed": 5})
+    res = run_experiment(_tiny_cfg(target=gemma4, drafter=DrafterConfig("gemma_mtp"), num_speculative_tokens=3,
+                                   hf_compare=["generate", "gemma_mtp"]))
+    assert res.tokens("hf_gemma_mtp") == res.tokens("hf_generate") == res.tokens("spec") == res.tokens("ar")
+    with pytest.raises(ValueError, match="Gemma 4"):  # transformers reads K/V only Gemma targets share
+        run_experiment(_tiny_cfg(drafter=DrafterConfig("gemma_mtp"), hf_compare=["gemma_mtp"]))
+
+
+def test_every_peer_hook_lives_in_a_drafter_room_and_the_runner_names_no_drafter():
+    for kind, hook in HF_METHODS.items():
+        if hook is None:
+            continue
+        module, _, fn = hook.partition(":")
+        assert module.startswith("specdec.drafters.") and callable(getattr(importlib.import_module(module), fn))
+    source = (ROOT / "specdec" / "eval" / "runner.py").read_text()
+    assert "specdec.drafters" not in source.replace("from specdec.drafters import DRAFTERS", "")
+    for name in DRAFTERS:
+        assert f'"{name}"' not in source and f"'{name}'" not in source, name
 
 
 def test_autoregressive_only_run(target):
     res = run_experiment(_tiny_cfg(drafter=DrafterConfig(None)), target=target)
     assert set(res.summary) == {"ar"}
+
+
+def test_methods_run_several_drafters_and_ks_interleaved(target):
+    cfg = _tiny_cfg(drafter=DrafterConfig("ngram", {"max_ngram": 2}), hf_compare=["generate"], methods={
+        "ngram": MethodConfig(k=[1, 3]), "ngram1": MethodConfig(options={"max_ngram": 1}),
+        "draft": MethodConfig(drafter="draft_model", k=[2])})
+    assert {n: (d.name, d.options, k) for n, (d, k) in cfg.speculative_methods().items()} == {
+        "ngram k=1": ("ngram", {"max_ngram": 2}, 1), "ngram k=3": ("ngram", {"max_ngram": 2}, 3),
+        "ngram1": ("ngram", {"max_ngram": 1}, 4), "draft": ("draft_model", {}, 2)}  # another drafter: its own options
+    res = run_experiment(cfg, target=target)
+    s = res.summary
+    assert list(s) == ["ar", "ngram k=1", "ngram k=3", "ngram1", "draft", "hf_generate"]
+    assert [(s[m]["drafter"], s[m]["k"]) for m in s] == [(None, 0), ("ngram", 1), ("ngram", 3), ("ngram", 4),
+                                                         ("draft_model", 2), (None, 0)]
+    for m in ("ngram k=1", "ngram k=3", "ngram1", "draft"):
+        assert res.tokens(m) == res.tokens("ar") == res.tokens("hf_generate")  # greedy: lossless
+        assert s[m]["baseline"] == "ar" and len(s[m]["acceptance_at"]) <= s[m]["k"]
+        assert 0 < s[m]["drafted_per_step"] <= s[m]["k"] and s[m]["draft_cost_vs_target_step"] > 0
+        assert s[m]["divergences"] == [] and s[m]["speedup_vs_hf_generate"] > 0
+    assert s["draft"]["drafted_per_step"] == 2  # a draft model always drafts k
+    order = [r["method"] for r in res.records if r["batch"] == 0]  # interleaved: batch 0 of every method first
+    assert order == list(s)
+    md = summary_markdown(s, cfg)
+    assert "| ngram k=3 | ngram | 3 |" in md and "| draft | draft_model | 2 |" in md and "Drafting" in md
+    with pytest.raises(ValueError, match="methods.x.k"):
+        _tiny_cfg(methods={"x": MethodConfig(k=[0])})
+    with pytest.raises(ValueError, match="names no drafter"):
+        _tiny_cfg(drafter=DrafterConfig(None), methods={"x": MethodConfig()})
+
+
+def test_divergences_name_the_first_differing_token_and_the_targets_top2(target):
+    res = run_experiment(_tiny_cfg(drafter=DrafterConfig(None)), target=target)
+    want = res.tokens("ar")
+    records = [dict(r) for r in res.records] + [
+        {**r, "method": "x", "tokens": r["tokens"][:3] + [(r["tokens"][3] + 1) % 64] + r["tokens"][4:]}
+        for r in res.records if r["request"] == 1]
+    prompts = {("ar", i): list(s.prompt_ids) for i, s in enumerate(
+        load_dataset(res.config.dataset, None, target.vocab_size, res.config.seed))}
+    (d,) = divergences(target, records, prompts, "x", "ar")
+    assert (d["request"], d["position"], d["want"]) == (1, 3, want[1][3]) and d["got"] == (want[1][3] + 1) % 64
+    assert d["top2_ids"][0] == want[1][3] and d["top2_logits"][0] >= d["top2_logits"][1]  # greedy: the argmax
+    md = summary_markdown({"ar": res.summary["ar"], "x": {**res.summary["ar"], "method": "x", "baseline": "ar",
+                                                          "identical_to_baseline": 3, "divergences": [d]}})
+    assert f"- x, request 1, position 3: got {d['got']}, ar {d['want']}" in md
 
 
 def test_predicted_speedup_formula():

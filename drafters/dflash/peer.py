@@ -4,16 +4,20 @@ transformers ships DFlash drafting as ``DFlashTokenCandidateGenerator`` (``gener
 speculation_type="dflash")``) over its DFlash draft model class (``MuseGlimmerAssistantModel``:
 the same block forward, with ``fc``/``hidden_norm`` under ``encoder.fc``/``encoder.output_norm_enc``).
 Converting our weights lets the benchmark's ``hf_compare`` and the tests run both implementations on
-the same numbers.
+the same numbers (:func:`transformers_peer`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from specdec.drafter import Drafter
 from specdec.drafters.dflash.drafter import DFlashDrafter
+from specdec.target import Target
 
-__all__ = ["to_transformers"]
+__all__ = ["to_transformers", "transformers_peer"]
 
 _RENAME = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
 
@@ -39,3 +43,11 @@ def to_transformers(drafter: DFlashDrafter) -> nn.Module:
              for k, w in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
     model.load_state_dict(state, strict=True)
     return model.to(device=drafter.target.device, dtype=drafter.target.dtype)
+
+
+def transformers_peer(target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
+    """``generate()`` arguments for transformers' DFlash candidate generator on this drafter's
+    weights. It drafts a whole block (``block_size - 1`` tokens) whatever ``k``."""
+    if not isinstance(drafter, DFlashDrafter):
+        raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
+    return {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}

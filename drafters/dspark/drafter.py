@@ -12,7 +12,7 @@ Three changes to DFlash (:mod:`specdec.drafters.dflash.drafter`):
 3. **Confidences and the prefix scheduler.** The confidence head gives ``c_k`` per draft
    (temperature-calibrated); with ``scheduler=True`` :func:`specdec.drafters.dspark.scheduler.schedule` sets
    ``num_valid`` per row from the survival products and a step-cost table profiled once at
-   start-up (or passed as ``costs``). When even the best schedule is expected to be slower than
+   start-up for ``profile_gamma`` drafts a step (default: the trained block's), or passed as ``costs``. When even the best schedule is expected to be slower than
    autoregressive decoding, the next step skips drafting (an empty proposal, also lossless),
    re-probing after ``probe_every`` steps (backing off while it keeps saying so). The scheduler
    is off by default: it makes how many tokens a row verifies depend on the other rows, so a
@@ -51,7 +51,7 @@ class DSparkDrafter(BlockDrafter):
 
     def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, scheduler: bool = False,
                  costs: StepCosts | str | None = None, budget: int | None = None, ragged: bool = False,
-                 probe_every: int = 8):
+                 probe_every: int = 8, profile_gamma: int | None = None):
         if not model.cfg.anchor_predicts:
             raise ValueError("dspark needs a model whose anchor position predicts (DeepSpec / speculators"
                              " sample_from_anchor layout); this looks like a DFlash checkpoint")
@@ -61,13 +61,14 @@ class DSparkDrafter(BlockDrafter):
         self.scheduler = scheduler
         self.costs = StepCosts.load(costs) if isinstance(costs, (str, Path)) else costs
         self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
+        self.profile_gamma = profile_gamma  # the k the costs are profiled at (default: the trained block's drafts)
 
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> DSparkDrafter:
         seed, std = overrides.pop("seed", 1), overrides.pop("init_std", 0.3)
         overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
-        opts = {k: overrides.pop(k) for k in ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every")
-                if k in overrides}
+        opts = {k: overrides.pop(k) for k in ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every",
+                                              "profile_gamma") if k in overrides}
         torch.manual_seed(seed)
         cfg = tiny_block_config(target, **{"anchor_predicts": True, "markov_rank": 4, "block_size": 4,
                                            "enable_confidence_head": True, **overrides})
@@ -80,7 +81,7 @@ class DSparkDrafter(BlockDrafter):
     def bind(self, target: Target) -> None:
         super().bind(target)
         if self.scheduler and self.costs is None:
-            self.costs = self.profile(target)
+            self.costs = self.profile(target, gamma=self.profile_gamma)
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()

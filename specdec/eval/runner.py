@@ -7,17 +7,19 @@ transformers' ``generate()`` peers) in one process, with every measurement the i
 Methods (keys of ``summary`` and the ``method`` field of every JSONL record):
 
 - ``ar``: this library's loop with no drafter, the baseline (``baseline=True`` or no drafter);
-- ``spec``: the configured drafter and verifier, ``k = num_speculative_tokens``;
-- ``hf_generate``, ``hf_prompt_lookup``, ``hf_assistant``: ``model.generate()`` plain, with
-  ``prompt_lookup_num_tokens=k``, with ``assistant_model=`` (the draft_model drafter's own weights);
-  batch 1, as transformers' candidate generators support no more.
+- ``spec``: the configured drafter and verifier, ``k = num_speculative_tokens``; or, with ``methods``,
+  one method per entry and k (``<key>`` or ``<key> k=<k>``), each its own drafter and options;
+- ``hf_generate`` and the peers ``hf_<name>`` of ``hf_compare``: ``model.generate()`` plain, or with
+  the keyword arguments the peer's hook returns (:data:`~specdec.eval.config.HF_METHODS`: it lives in
+  the mirrored drafter's room and gets the first speculative method's drafter and k); batch 1, as
+  transformers' candidate generators support no more.
 
 Requests run in batches of ``concurrency`` (static batching: a batch runs until its last row
 finishes; finished rows leave the batch at once). Batches of the methods are interleaved, so slow
 drift of the machine hits every method alike. Multi-turn datasets run turn by turn: turn 2 of a
 conversation is encoded with the method's own answer to turn 1.
 
-Measured speedup and predicted speedup (``SpeedupModel``) sit side by side: the prediction uses the
+Measured speedup and predicted speedup (:func:`predicted_speedup`) sit side by side: the prediction uses the
 measured mean accepted length, the measured per-step draft and verify costs of the speculative run
 and the measured per-token target cost of the autoregressive run; the loop's own overhead is what
 separates it from the measured decode speedup.
@@ -25,6 +27,7 @@ separates it from the measured decode speedup.
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 import subprocess
@@ -38,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.api import encode_messages, load_target, make_drafter, make_verifier
-from specdec.eval.config import HF_METHODS, RunConfig, TargetConfig
+from specdec.eval.config import HF_METHODS, DrafterConfig, RunConfig, TargetConfig
 from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
@@ -47,8 +50,8 @@ from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
 
-__all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "predicted_speedup",
-           "summary_markdown", "git_sha"]
+__all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
+           "predicted_speedup", "summary_markdown", "git_sha"]
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -60,13 +63,16 @@ def build_target(cfg: TargetConfig) -> Target:
     return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map)
 
 
-def build_drafter(cfg: RunConfig, target: Target) -> Drafter | None:
-    """The configured drafter; on the tiny target, the drafter's own random-weight ``tiny()``."""
-    name, options = cfg.drafter.name, dict(cfg.drafter.options)
+def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:
+    """The configured drafter; on the tiny target, the drafter's own random-weight ``tiny()`` (a
+    configured ``checkpoint`` holds weights for the real target: it is left out)."""
+    name, options = cfg.name, dict(cfg.options)
     if not name:
         return None
-    if cfg.target.model == "tiny":
+    if target_cfg.model == "tiny":
         from specdec.drafters import DRAFTERS
+
+        options.pop("checkpoint", None)
 
         if name not in DRAFTERS:
             raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}")
@@ -134,37 +140,22 @@ class _FirstTokenTimer:
         pass
 
 
-def _hf_method(target: Target, kind: str, k: int, eos: set[int], drafter: Drafter | None,
-               drafter_name: str | None, drafter_options: dict[str, Any]) -> BatchFn:
+def peer_kwargs(kind: str, target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
+    """Extra ``generate()`` arguments of the transformers peer ``kind``, from the hook that
+    :data:`~specdec.eval.config.HF_METHODS` names in the mirrored drafter's room."""
+    hook = HF_METHODS[kind]
+    if hook is None:
+        return {}
+    module, _, fn = hook.partition(":")
+    return getattr(importlib.import_module(module), fn)(target, drafter, k)
+
+
+def _hf_method(target: Target, extra: dict[str, Any], eos: set[int]) -> BatchFn:
+    """``model.generate()`` one request at a time, with the peer's ``extra`` arguments."""
     model = target.model
     pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = next(iter(eos), 0)
-    extra: dict[str, Any] = {}
-    if kind == "prompt_lookup":
-        extra = {"prompt_lookup_num_tokens": k}
-        if drafter_name == "ngram" and "max_ngram" in drafter_options:
-            extra["max_matching_ngram_size"] = int(drafter_options["max_ngram"])
-    elif kind == "assistant":
-        if drafter_name != "draft_model" or drafter is None:
-            raise ValueError("hf_compare 'assistant' runs the draft_model drafter's weights: use drafter=draft_model")
-        extra = {"assistant_model": drafter.draft.model, "num_assistant_tokens": k,  # type: ignore[attr-defined]
-                 "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
-    elif kind == "mtp":
-        if drafter_name != "mtp" or drafter is None:
-            raise ValueError("hf_compare 'mtp' runs the mtp drafter's checkpoint: use drafter=mtp")
-        # transformers finds MTP weights through `_keys_to_ignore_on_load_unexpected`, which
-        # DeepSeek-V3 hard-codes to the 671B layout (model.layers.61): point it at this target's.
-        L, D = target.num_layers, drafter.depth  # type: ignore[attr-defined]
-        model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{L + i}\..*" for i in range(D)]
-        extra = {"use_mtp": True}
-    elif kind == "dflash":
-        if drafter_name != "dflash" or drafter is None:
-            raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
-        from specdec.drafters.dflash.peer import to_transformers
-
-        # transformers' DFlashTokenCandidateGenerator drafts a whole block (block_size - 1 tokens)
-        extra = {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}  # type: ignore[arg-type]
     # ignore_eos: an id the model never produces (transformers needs some eos or pad to be set)
     eos_ids = sorted(eos) if eos else None
 
@@ -226,24 +217,29 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
     samples = load_dataset(cfg.dataset, target.tokenizer, target.vocab_size, cfg.seed)
     if not samples:
         raise ValueError(f"dataset {cfg.dataset.name!r} gave no prompts")
-    k = cfg.num_speculative_tokens
     eos = set() if cfg.dataset.ignore_eos else target.eos_token_ids
     verifier = make_verifier(cfg.verifier.name, **cfg.verifier.options)
-    drafter = build_drafter(cfg, target)
+    built: dict[int, Drafter | None] = {}  # one drafter per methods entry, shared by its k values
+    spec: dict[str, tuple[DrafterConfig, Drafter | None, int]] = {}
+    for name, (dcfg, k) in cfg.speculative_methods().items():
+        if id(dcfg) not in built:
+            built[id(dcfg)] = build_drafter(dcfg, cfg.target, target)
+        spec[name] = (dcfg, built[id(dcfg)], k)
 
     methods: dict[str, BatchFn] = {}
+    info: dict[str, tuple[str | None, int]] = {}  # method -> (drafter name, k)
     baselines: dict[str, str] = {}
-    if cfg.baseline or drafter is None:
-        methods["ar"] = _loop_method(target, None, verifier, k, eos)
-    if drafter is not None:
-        methods["spec"] = _loop_method(target, drafter, verifier, k, eos)
-        baselines["spec"] = "ar"
+    if cfg.baseline or not spec:
+        methods["ar"], info["ar"] = _loop_method(target, None, verifier, cfg.num_speculative_tokens, eos), (None, 0)
+    for name, (dcfg, drafter, k) in spec.items():
+        methods[name], info[name] = _loop_method(target, drafter, verifier, k, eos), (dcfg.name, k)
+        baselines[name] = "ar"
+    peer_cfg, peer, peer_k = next(iter(spec.values()), (DrafterConfig(), None, cfg.num_speculative_tokens))
     for kind in cfg.hf_compare:
-        methods[f"hf_{kind}"] = _hf_method(target, kind, k, eos, drafter, cfg.drafter.name, cfg.drafter.options)
-        if kind != "generate":
-            baselines[f"hf_{kind}"] = "hf_generate" if "generate" in cfg.hf_compare else "ar"
-    if "hf_generate" in methods:
-        baselines["hf_generate"] = "ar"
+        name = f"hf_{kind}"
+        methods[name] = _hf_method(target, peer_kwargs(kind, target, peer, peer_k), eos)
+        info[name] = (None, 0) if kind == "generate" else (peer_cfg.name, peer_k)
+        baselines[name] = "hf_generate" if kind != "generate" and "generate" in cfg.hf_compare else "ar"
 
     base_seed = cfg.request_seed_base
     num_turns = max(len(s.turns) for s in samples) if samples[0].prompt_ids is None else 1
@@ -255,6 +251,7 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
             fn([warm])
 
     answers: dict[str, list[list[str]]] = {m: [[] for _ in samples] for m in methods}
+    prompts: dict[tuple[str, int], list[int]] = {}  # (method, request) -> prompt ids
     records: list[dict] = []
     runs: dict[str, list[RunMetrics]] = {m: [] for m in methods}
     total = sum(min(len(s.turns), num_turns) if s.prompt_ids is None else 1 for s in samples)
@@ -275,13 +272,17 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
                     tok = target.tokenizer
                     text = tok.decode(rec["tokens"], skip_special_tokens=True) if tok is not None else None
                     answers[name][j.sample].append(text or "")
+                    prompts[name, j.index] = j.prompt
                     records.append({"method": name, "request": j.index, "sample": j.sample, "turn": turn,
                                     "id": samples[j.sample].id, "category": samples[j.sample].category,
                                     "batch": b0 // cfg.concurrency, "seed": j.sampling.seed, **rec, "text": text})
                 bar.update(len(jobs))
     bar.close()
 
-    summary = summarize_methods(records, runs, baselines, cfg)
+    summary = summarize_methods(records, runs, baselines, info, cfg.concurrency)
+    for name, base in baselines.items():
+        if base in summary:
+            summary[name]["divergences"] = divergences(target, records, prompts, name, base)
     result = ExperimentResult(cfg, records, summary, Path(out_dir) if out_dir else None, runs)
     if out_dir is not None:
         write_outputs(result, Path(out_dir))
@@ -311,16 +312,16 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], baselines: dict[str, str],
-                      cfg: RunConfig) -> dict[str, dict]:
+                      info: dict[str, tuple[str | None, int]], concurrency: int) -> dict[str, dict]:
+    """Per method (``info``: its drafter name and k) the measurements of ``summary.json``."""
     out: dict[str, dict] = {}
     for name in runs:
         recs = [r for r in records if r["method"] == name]
         lat, ttft = [r["latency_s"] for r in recs], [r["ttft_s"] for r in recs]
         tpot = [r["tpot_s"] for r in recs if r["new_tokens"] > 1]
         new_tokens = sum(r["new_tokens"] for r in recs)
-        s: dict[str, Any] = {"method": name, "requests": len(recs), "new_tokens": new_tokens,
-                             "k": cfg.num_speculative_tokens if name != "ar" else 0,
-                             "concurrency": cfg.concurrency if name in ("ar", "spec") else 1,
+        s: dict[str, Any] = {"method": name, "drafter": info[name][0], "k": info[name][1], "requests": len(recs),
+                             "new_tokens": new_tokens, "concurrency": concurrency if runs[name] else 1,
                              "ttft_mean_s": statistics.fmean(ttft),
                              "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
                              "latency_mean_s": statistics.fmean(lat), "latency_p50_s": _pct(lat, 0.5),
@@ -333,13 +334,15 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
             acc = summarize([RequestMetrics(**{f: r[f] for f in (
                 "prompt_tokens", "new_tokens", "steps", "drafted", "accepted", "drafted_at", "accepted_at")})
                 for r in recs])
-            row_steps = acc["steps"]
+            row_steps, drafted = acc["steps"], sum(r["drafted"] for r in recs)
             s.update({"wall_s": tot.wall_s, "prefill_s": tot.prefill_s, "draft_s": tot.draft_s,
                       "target_s": tot.target_s, "verify_s": tot.verify_s, "other_s": tot.other_s,
                       "overhead_frac": tot.other_s / tot.wall_s if tot.wall_s else 0.0, "batch_steps": tot.batch_steps,
                       "row_steps": row_steps, "mean_accepted_length": acc["mean_accepted_length"],
                       "acceptance_rate": acc["acceptance_rate"], "acceptance_at": acc["acceptance_at"],
+                      "drafted_per_step": drafted / row_steps if row_steps else 0.0,
                       "draft_s_per_step": tot.draft_s / row_steps if row_steps else 0.0,
+                      "draft_s_per_token": tot.draft_s / drafted if drafted else 0.0,
                       "verify_s_per_step": (tot.target_s + tot.verify_s) / row_steps if row_steps else 0.0,
                       "decode_s_per_token": (tot.wall_s - tot.prefill_s) / max(new_tokens - len(recs), 1)})
         else:  # transformers: wall time is the sum of request latencies (batch 1)
@@ -357,14 +360,45 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
             ar_token = (b["draft_s"] + b["target_s"] + b["verify_s"]) / b["row_steps"] if b["row_steps"] else 0.0
             s["predicted_speedup"] = predicted_speedup(s["mean_accepted_length"], s["draft_s_per_step"],
                                                        s["verify_s_per_step"], ar_token)
-        mine = {r["request"]: r["tokens"] for r in records if r["method"] == name}
-        ref = {r["request"]: r["tokens"] for r in records if r["method"] == base}
-        s["identical_to_baseline"] = sum(mine[i] == ref.get(i) for i in mine)
-    if "hf_generate" in out:  # every method's outputs against plain transformers generate()
-        ref = {r["request"]: r["tokens"] for r in records if r["method"] == "hf_generate"}
+            target_step = b["target_s"] / b["batch_steps"] if b["batch_steps"] else 0.0  # one plain decoding step
+            s["draft_cost_vs_target_step"] = s["draft_s_per_token"] / target_step if target_step else 0.0
+        s["identical_to_baseline"] = _identical(records, name, base)
+    if "hf_generate" in out:  # every method against plain transformers generate()
+        ref = out["hf_generate"]
         for name, s in out.items():
-            mine = {r["request"]: r["tokens"] for r in records if r["method"] == name}
-            s["identical_to_hf_generate"] = sum(mine[i] == ref.get(i) for i in mine)
+            s["identical_to_hf_generate"] = _identical(records, name, "hf_generate")
+            s["speedup_vs_hf_generate"] = s["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else 0.0
+    return out
+
+
+def _tokens(records: list[dict], method: str) -> dict[int, list[int]]:
+    return {r["request"]: r["tokens"] for r in records if r["method"] == method}
+
+
+def _identical(records: list[dict], method: str, ref: str) -> int:
+    mine, theirs = _tokens(records, method), _tokens(records, ref)
+    return sum(t == theirs.get(i) for i, t in mine.items())
+
+
+@torch.inference_mode()
+def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, int], list[int]], method: str,
+                ref: str) -> list[dict]:
+    """Where ``method``'s outputs first differ from ``ref``'s, with the target's top-2 logits there
+    (after ``ref``'s prompt and tokens): a tiny gap is a numerical near-tie, not a bug."""
+    mine, theirs = _tokens(records, method), _tokens(records, ref)
+    out = []
+    for i, got in sorted(mine.items()):
+        want = theirs.get(i)
+        if want is None or got == want:
+            continue
+        pos = next((p for p, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+        d: dict[str, Any] = {"request": i, "position": pos, "got": got[pos] if pos < len(got) else None,
+                             "want": want[pos] if pos < len(want) else None}
+        if d["got"] is not None and d["want"] is not None:
+            ids = torch.tensor([prompts[ref, i] + want[:pos]], device=target.device)
+            top = target.model(ids).logits[0, -1].float().topk(2)
+            d.update({"top2_ids": top.indices.tolist(), "top2_logits": top.values.tolist()})
+        out.append(d)
     return out
 
 
@@ -395,21 +429,26 @@ def write_outputs(result: ExperimentResult, out: Path) -> None:
     (out / "summary.md").write_text(summary_markdown(result.summary, result.config))
 
 
+def _describe(cfg: RunConfig) -> str:
+    """One line naming what a run measured."""
+    d, t = cfg.dataset, cfg.target
+    opts = f" {cfg.drafter.options}" if cfg.drafter.options else ""
+    methods = f", methods {', '.join(f'`{m}`' for m in cfg.methods)}" if cfg.methods else ""
+    return (f"target `{t.model}` ({t.dtype}), drafter `{cfg.drafter.name or 'none'}`{opts}{methods},"
+            f" verifier `{cfg.verifier.name}`, k = {cfg.num_speculative_tokens}, concurrency = {cfg.concurrency},"
+            f" dataset `{d.name}` ({d.num_prompts} prompts), temperature {cfg.sampling.temperature}, seed {cfg.seed}")
+
+
 def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> str:
-    """The summary as markdown tables: throughput and latency, speedups, acceptance, time split."""
-    lines = []
-    if cfg is not None:
-        d, t = cfg.dataset, cfg.target
-        opts = f" {cfg.drafter.options}" if cfg.drafter.options else ""
-        lines += [f"target `{t.model}` ({t.dtype}), drafter `{cfg.drafter.name or 'none'}`{opts},"
-                  f" verifier `{cfg.verifier.name}`, k = {cfg.num_speculative_tokens}, concurrency = {cfg.concurrency},"
-                  f" dataset `{d.name}` ({d.num_prompts} prompts), temperature {cfg.sampling.temperature},"
-                  f" seed {cfg.seed}", ""]
+    """The summary as markdown tables: throughput, latency and speedups; drafting (acceptance per
+    position, drafts per step, draft cost); the loop's time split; outputs that differ."""
+    lines = [_describe(cfg), ""] if cfg is not None else []
     hf = any("identical_to_hf_generate" in s for s in summary.values())
-    lines += ["| method | requests | new tokens | wall s | tok/s | TTFT ms | TPOT ms | latency mean s | latency p90 s"
-              " | speedup | decode speedup | predicted | mean acc. len | identical to baseline |"
-              + (" identical to hf_generate |" if hf else ""),
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if hf else "")]
+    lines += ["| method | drafter | k | requests | new tokens | wall s | tok/s | TTFT ms | TPOT ms | latency mean s"
+              " | latency p90 s | speedup | decode speedup | predicted | mean acc. len | identical to baseline |"
+              + (" speedup vs hf_generate | identical to hf_generate |" if hf else ""),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if hf else "")]
 
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
@@ -417,12 +456,24 @@ def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> 
     for name, s in summary.items():
         ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
         lines.append(
-            f"| {name} | {s['requests']} | {s['new_tokens']} | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f}"
-            f" | {s['ttft_mean_s'] * 1e3:.1f} | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f}"
-            f" | {s['latency_p90_s']:.2f} | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
+            f"| {name} | {s['drafter'] or '-'} | {s['k'] or '-'} | {s['requests']} | {s['new_tokens']}"
+            f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
+            f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
+            f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
             f" | {f(s.get('predicted_speedup'), '.2f')} | {f(s.get('mean_accepted_length'), '.2f')} | {ident} |"
-            + (f" {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
+            + (f" {s['speedup_vs_hf_generate']:.2f} | {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
     loop = {n: s for n, s in summary.items() if "prefill_s" in s}
+    drafting = {n: s for n, s in loop.items() if s.get("acceptance_at")}
+    if drafting:
+        lines += ["", "Drafting (acceptance at a position: given the row drafted that deep):", "",
+                  "| method | mean acc. len | acceptance per position | acceptance rate | drafted / step"
+                  " | draft ms / step | draft cost / token (x target step) |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for name, s in drafting.items():
+            lines.append(f"| {name} | {s['mean_accepted_length']:.2f} | "
+                         + " ".join(f"{a:.2f}" for a in s["acceptance_at"])
+                         + f" | {s['acceptance_rate']:.2f} | {s['drafted_per_step']:.1f}"
+                         f" | {s['draft_s_per_step'] * 1e3:.2f} | {f(s.get('draft_cost_vs_target_step'), '.3f')} |")
     if loop:
         lines += ["", "Time split of this library's loop (share of wall time):", "",
                   "| method | prefill | draft | target | verify | loop overhead | draft ms/step | verify ms/step |",
@@ -432,10 +483,16 @@ def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> 
             lines.append(f"| {name} | {s['prefill_s'] / w:.1%} | {s['draft_s'] / w:.1%} | {s['target_s'] / w:.1%}"
                          f" | {s['verify_s'] / w:.1%} | {s['other_s'] / w:.1%} | {s['draft_s_per_step'] * 1e3:.2f}"
                          f" | {s['verify_s_per_step'] * 1e3:.2f} |")
-    spec = {n: s for n, s in loop.items() if s.get("acceptance_at")}
-    if spec:
-        lines += ["", "Acceptance per draft position:", ""]
-        for name, s in spec.items():
-            lines.append(f"- {name}: " + " ".join(f"{a:.2f}" for a in s["acceptance_at"])
-                         + f" (acceptance rate {s['acceptance_rate']:.2f})")
+    differ = [(n, s["baseline"], d) for n, s in summary.items() for d in s.get("divergences", [])]
+    if differ:
+        lines += ["", "Outputs that differ from the baseline (first differing position; the target's top-2 logits"
+                  " there, after the baseline's tokens: a tiny gap is a numerical near-tie):", ""]
+        for name, base, d in differ:
+            head = f"- {name}, request {d['request']}, position {d['position']}"
+            if "top2_logits" not in d:
+                lines.append(f"{head}: one output is a prefix of the other ({base})")
+                continue
+            hi, lo = d["top2_logits"]
+            lines.append(f"{head}: got {d['got']}, {base} {d['want']}; top-2 {d['top2_ids']}"
+                         f" logits {hi:.5f} / {lo:.5f} (gap {hi - lo:.2e})")
     return "\n".join(lines) + "\n"
