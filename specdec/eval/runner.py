@@ -46,6 +46,7 @@ from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
+from specdec.registry import drafter_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
@@ -70,13 +71,8 @@ def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) 
     if not name:
         return None
     if target_cfg.model == "tiny":
-        from specdec.drafters import DRAFTERS
-
         options.pop("checkpoint", None)
-
-        if name not in DRAFTERS:
-            raise ValueError(f"unknown drafter {name!r}; registered: {sorted(DRAFTERS)}")
-        return DRAFTERS[name].tiny(target, **options)
+        return drafter_class(name).tiny(target, **options)
     return make_drafter(name, target, **options)
 
 
