@@ -31,11 +31,24 @@ def test_namespaced_packages_import():
 
 
 def test_demo_finds_every_committed_smollm2_drafter():
-    from specdec.eval.demo import SMOLLM2_DRAFTERS, drafter_options
-    from specdec.drafters import DRAFTERS
+    from specdec.eval.demo import SMOLLM2_DRAFTERS, default_k, drafter_options
+    from specdec.models import resolve_checkpoint
+    from specdec.registry import DRAFTERS
 
-    assert set(SMOLLM2_DRAFTERS) <= set(DRAFTERS)
+    assert set(SMOLLM2_DRAFTERS) <= set(DRAFTERS.names())
     for name in SMOLLM2_DRAFTERS:
-        folder = Path(drafter_options(name)["checkpoint"])
+        folder = resolve_checkpoint(drafter_options(name)["checkpoint"])
         assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file(), name
+        assert default_k(name) >= 1
     assert drafter_options("ngram") == {}
+
+
+def test_demo_help_documents_every_option():
+    from specdec.eval.demo import parser
+
+    options = {a.option_strings[-1]: a.help for a in parser()._actions}
+    assert {"--drafter", "--k", "--prompt", "--max-new-tokens", "--temperature", "--seed", "--threads",
+            "--json"} <= set(options)
+    assert all(h and len(h) > 10 for h in options.values()), options
+    out = subprocess.run([sys.executable, "-m", "specdec.eval.demo", "--help"], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0 and "draft and verify costs" in out.stdout, out.stderr

@@ -1,20 +1,26 @@
-"""The main job: speculative decoding on the offline SmolLM2-135M-Instruct, against plain
-autoregressive decoding measured by the same loop in the same run.
+"""Speculative decoding on the offline SmolLM2-135M-Instruct against plain autoregressive decoding,
+both measured by the same loop in the same run, with the costs that decide which one wins.
 
-    specdec-demo [--drafter ngram] [--k 8] [--max-new-tokens 96] [--temperature 0]
+    specdec-demo                                  # ngram drafter, a code-editing prompt
+    specdec-demo --drafter eagle3 --k 2           # a committed SmolLM2 drafter, found by name
+    specdec-demo --prompt "Explain KV caches." --json
 
-Drafters with a trained SmolLM2 checkpoint (``mtp``, ``gemma_mtp``, ``eagle3``, ``dflash``,
-``dspark``) load it from the repository's ``experiments/checkpoints/``.
+Verifying k+1 tokens is not free (on a 2-core CPU, 5 tokens cost about 1.7 decoding steps:
+docs/results.md), so a drafter must be accepted often to pay for it: the demo prints the measured
+draft and verify costs per step and, when speculation loses, the accepted length it would need.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import json
+import os
 
 import torch
 
 import specdec
+from specdec.metrics import GenerationSummary
+from specdec.models import committed_checkpoints
 
 PROMPT = """Add type hints to this function and return the whole function, unchanged otherwise.
 
@@ -29,56 +35,94 @@ def merge_intervals(intervals):
     return merged
 """
 
-
-# the committed SmolLM2 drafters, in the repository (an editable install finds them)
-CHECKPOINTS = Path(__file__).resolve().parents[2] / "experiments" / "checkpoints"
+# the committed SmolLM2 drafters, by checkpoint name (specdec.checkpoints)
 SMOLLM2_DRAFTERS = {"mtp": "smollm2-135m-mtp", "gemma_mtp": "smollm2-135m-gemma-mtp", "eagle3": "smollm2-135m-eagle3",
                     "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark"}
+NGRAM_K = 8  # prompt lookup: long drafts cost nothing to make, and code edits copy long spans
 
 
 def drafter_options(name: str) -> dict:
     """The options that point ``name`` at its committed SmolLM2 checkpoint (none for ``ngram``)."""
+    return {"checkpoint": SMOLLM2_DRAFTERS[name]} if name in SMOLLM2_DRAFTERS else {}
+
+
+def default_k(name: str) -> int:
+    """The draft length recorded with the drafter's committed checkpoint as its best measured one."""
     if name not in SMOLLM2_DRAFTERS:
-        return {}
-    folder = CHECKPOINTS / SMOLLM2_DRAFTERS[name]
-    if not folder.is_dir():
-        raise SystemExit(f"{name}: the SmolLM2 checkpoint {folder} is missing (it ships with the repository,"
-                         " not the wheel: install with `pip install -e .`)")
-    return {"checkpoint": str(folder)}
+        return NGRAM_K
+    meta = committed_checkpoints()[SMOLLM2_DRAFTERS[name]] / "training.json"
+    recorded = json.loads(meta.read_text()).get("best_k") if meta.is_file() else None
+    return int(recorded["k"]) if recorded else 1
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", default="ngram", choices=["ngram", *SMOLLM2_DRAFTERS])
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+def verdict(spec: GenerationSummary, base: GenerationSummary) -> list[str]:
+    """Why speculation won or lost, from the measured costs alone."""
+    ar_ms = base.verify_ms_per_step  # one autoregressive step: one target forward + sampling
+    step_ms = spec.draft_ms_per_step + spec.verify_ms_per_step
+    need = step_ms / ar_ms if ar_ms else float("nan")
+    lines = [f"one autoregressive step {ar_ms:.1f} ms; one speculative step {step_ms:.1f} ms"
+             f" (draft {spec.draft_ms_per_step:.1f} + verify {spec.verify_ms_per_step:.1f}) = {need:.2f} AR steps"]
+    if spec.mean_accepted_length >= need:
+        lines.append(f"each step yields {spec.mean_accepted_length:.2f} tokens > {need:.2f}: speculation pays")
+    else:
+        lines.append(f"each step yields {spec.mean_accepted_length:.2f} tokens < {need:.2f}: speculation loses here;"
+                     f" it would pay at a mean accepted length above {need:.2f} (more acceptance, a cheaper draft,"
+                     " or a smaller k)")
+    return lines
 
-    torch.manual_seed(args.seed)
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specdec-demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default="ngram", choices=["ngram", *SMOLLM2_DRAFTERS],
+                    help="ngram (prompt lookup) or a drafter with a committed SmolLM2 checkpoint (default: ngram)")
+    ap.add_argument("--k", type=int, default=None,
+                    help=f"draft tokens per step (default: ngram {NGRAM_K}; a trained drafter, the best k recorded"
+                         " with its checkpoint)")
+    ap.add_argument("--prompt", default=PROMPT, help="the user message (default: a code-editing request)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default: 96)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help=f"torch threads (default: every core of this machine, {os.cpu_count()})")
+    ap.add_argument("--json", action="store_true", help="print both summaries and the speedup as JSON only")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    k = args.k if args.k is not None else default_k(args.drafter)
     target = specdec.load_target("smollm2-135m", dtype=torch.float32)
     sampling = specdec.SamplingParams(temperature=args.temperature, seed=args.seed)
     common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=True)
-    specdec.generate(target, PROMPT, None, max_new_tokens=4, chat=True)  # warm-up
-    base = specdec.generate(target, PROMPT, None, **common)
-    spec = specdec.generate(target, PROMPT, args.drafter, k=args.k, **common, **drafter_options(args.drafter))
-
+    drafter = specdec.make_drafter(args.drafter, target, **drafter_options(args.drafter))
+    for d in (None, drafter):  # warm-up: first calls pay for allocation and lazy initialisation
+        specdec.generate(target, args.prompt, d, k=k, max_new_tokens=4, chat=True)
+    base = specdec.generate(target, args.prompt, None, **common)
+    spec = specdec.generate(target, args.prompt, drafter, k=k, **common)
     s, b = spec.summary, base.summary
+    speedup = s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else float("nan")
+    identical = spec.tokens == base.tokens if args.temperature == 0 else None
+
+    if args.json:
+        print(json.dumps({"speedup": speedup, "identical_to_autoregressive": identical, "threads": torch.get_num_threads(),
+                          "speculative": s.to_dict(), "autoregressive": b.to_dict()}, indent=2))
+        return
     print(spec.texts[0] if spec.texts else spec.tokens[0])
     print("-" * 72)
-    print(f"target: SmolLM2-135M-Instruct (fp32, CPU)   drafter: {args.drafter}   k={args.k}"
-          f"   temperature={args.temperature}")
-    print(f"autoregressive : {b['tokens_per_s']:7.1f} tok/s  ({b['new_tokens']} tokens, {b['wall_s']:.2f} s)")
-    print(f"speculative    : {s['tokens_per_s']:7.1f} tok/s  ({s['new_tokens']} tokens, {s['wall_s']:.2f} s)")
-    print(f"speedup        : {b['wall_s'] / s['wall_s'] * s['new_tokens'] / max(b['new_tokens'], 1):.2f}x")
-    print(f"mean accepted length (bonus included): {s['mean_accepted_length']:.2f}"
-          f"   acceptance rate: {s['acceptance_rate']:.2f}")
-    print("acceptance per position: " + " ".join(f"{a:.2f}" for a in s["acceptance_at"]))
-    print(f"time split: draft {s['draft_s']:.2f} s, target {s['target_s'] + s['prefill_s']:.2f} s,"
-          f" verify {s['verify_s']:.2f} s, loop overhead {s['other_s']:.2f} s")
-    if args.temperature == 0:
-        print(f"identical to autoregressive output: {spec.tokens == base.tokens}")
+    print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {torch.get_num_threads()} threads)   drafter: {args.drafter}"
+          f"   k={k}   temperature={args.temperature}")
+    print(f"autoregressive : {b.tokens_per_s:7.1f} tokens/s  ({b.new_tokens} tokens, {b.wall_s:.2f} s)")
+    print(f"speculative    : {s.tokens_per_s:7.1f} tokens/s  ({s.new_tokens} tokens, {s.wall_s:.2f} s)")
+    print(f"speedup        : {speedup:.2f}x")
+    print(f"mean accepted length (bonus included): {s.mean_accepted_length:.2f} tokens/step"
+          f"   acceptance by position: " + " ".join(f"{a:.2f}" for a in s.acceptance_at))
+    for line in verdict(s, b):
+        print(line)
+    if identical is not None:
+        print(f"identical to autoregressive output: {identical}")
 
 
 if __name__ == "__main__":
