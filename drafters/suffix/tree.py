@@ -144,10 +144,9 @@ class SuffixTree:
         node, d = self._root, 0
         while d < len(pattern):
             if node.children is None:  # one occurrence left: compare the rest with it at once
-                rest = len(pattern) - d
-                if d + rest > self._limit(node) or self.seqs[node.seq][node.start + d:node.start + d + rest] != pattern[d:]:
-                    return None
-                return node, len(pattern)
+                end = len(pattern)
+                occurrence = self.seqs[node.seq][node.start + d:node.start + end]
+                return (node, end) if end <= self._limit(node) and occurrence == pattern[d:] else None
             child = node.children.get(pattern[d])
             if child is None:
                 return None
