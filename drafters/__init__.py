@@ -3,6 +3,7 @@
 | name | needs from the target | proposes |
 |---|---|---|
 | ``ngram`` | tokens only | prompt lookup, deterministic chain |
+| ``suffix`` | tokens only | SuffixDecoding: suffix trees over the prompt and earlier outputs, frequency-scored deterministic tree |
 | ``draft_model`` | nothing (own LM, same vocabulary) | ``k`` sequential samples, exact q |
 | ``gemma_mtp`` | post-norm final hidden, the target's KV cache | Gemma-4 assistant: Q-only layers on the target's K/V, ``k`` steps at one position |
 | ``mtp`` | post-norm final hidden state | DeepSeek-V3 MTP/NextN modules, reused past their depth; chain (exact q) or top-k tree |
@@ -27,9 +28,11 @@ from specdec.drafters.dspark.drafter import DSparkDrafter
 from specdec.drafters.gemma_mtp.drafter import GemmaMTPDrafter
 from specdec.drafters.mtp.drafter import MTPDrafter
 from specdec.drafters.ngram import NgramDrafter
+from specdec.drafters.suffix.drafter import SuffixDrafter
 
 DRAFTERS: dict[str, type[Drafter]] = {
     "ngram": NgramDrafter,
+    "suffix": SuffixDrafter,
     "draft_model": DraftModelDrafter,
     "gemma_mtp": GemmaMTPDrafter,
     "mtp": MTPDrafter,
@@ -39,4 +42,4 @@ DRAFTERS: dict[str, type[Drafter]] = {
 }
 
 __all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter", "Eagle3Drafter", "DFlashDrafter",
-           "DSparkDrafter"]
+           "DSparkDrafter", "SuffixDrafter"]

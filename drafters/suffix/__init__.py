@@ -1,0 +1,1 @@
+"""SuffixDecoding: model-free drafts from suffix trees over the prompt and earlier outputs."""
