@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import specdec
-from specdec.eval.runner import git_sha
+from specdec.provenance import git_sha
 from specdec.drafters.dflash.train import BlockBatch, block_loss, sample_anchors
 from specdec.training.data import FeatureSeq, extract_features, self_distill
 from specdec.drafters.dflash.checkpoint import save_block_draft

@@ -30,7 +30,7 @@ torch.set_num_threads(1)  # the 2 cores are shared
 from tqdm import tqdm  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.eval.runner import git_sha  # noqa: E402
+from specdec.provenance import git_sha  # noqa: E402
 from specdec.training.data import RECIPE_DATA, extract_features, recipe_data  # noqa: E402
 from specdec.drafters.eagle3.checkpoint import save_eagle3  # noqa: E402
 from specdec.drafters.eagle3.model import (  # noqa: E402

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import specdec
-from specdec.eval.runner import git_sha
+from specdec.provenance import git_sha
 from specdec.eval.datasets import packaged_file, read_sharegpt
 from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layers
 from specdec.target import Target

@@ -33,7 +33,7 @@ torch.set_num_threads(1)  # the 2 cores are shared; 2 threads under contention a
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 
-from specdec.eval.runner import git_sha  # noqa: E402
+from specdec.provenance import git_sha  # noqa: E402
 from specdec.drafters.mtp.drafter import build_mtp_modules  # noqa: E402
 from specdec.drafters.mtp.checkpoint import save_mtp_checkpoint  # noqa: E402
 from specdec.training.text import encode_files, mtp_loss, random_windows, stdlib_files, train_tokenizer  # noqa: E402

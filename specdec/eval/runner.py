@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -43,6 +42,7 @@ from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
+from specdec.provenance import git_sha
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
@@ -370,16 +370,6 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
 
 # ------------------------------------------------------------------------------------------------
 # output files
-
-def git_sha() -> str | None:
-    """The commit this library runs from (recorded with every result and checkpoint), or None."""
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
 
 def write_outputs(result: ExperimentResult, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
