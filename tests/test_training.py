@@ -277,31 +277,58 @@ def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
 
 # --- the Hydra entry point -----------------------------------------------------------------------------
 
-def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
+def _entry():
+    """experiments/train.py as a module (importing it registers ``train_schema``)."""
     import importlib.util
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     spec = importlib.util.spec_from_file_location("specdec_experiments_train", ROOT / "experiments" / "train.py")
     assert spec is not None and spec.loader is not None
     entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)  # registers train_schema
-    names = sorted(p.stem for p in CONF.glob("*.yaml"))
-    assert names == ["smollm2_dflash", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
-                     "tiny_deepseek_v3_mtp"]
+    spec.loader.exec_module(entry)
+    return entry
+
+
+def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
+    """``experiments/train.py --config-name <name> <overrides>``'s config, without running it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _entry()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            for name in names:
-                cfg = entry.to_train_config(compose(config_name=name))
-                recipe = load_recipe(cfg.recipe, cfg.options)
-                assert cfg.out.startswith("experiments/checkpoints/") and type(recipe).__module__.startswith(
-                    "specdec.drafters."), name
-            with pytest.raises(Exception, match="optim"):
-                compose(config_name="smollm2_eagle3", overrides=["optim.stepz=3"])
+            return entry.to_train_config(compose(config_name=name, overrides=list(overrides)))
     finally:
         GlobalHydra.instance().clear()
+
+
+def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
+    names = sorted(p.stem for p in CONF.glob("*.yaml"))
+    assert names == ["smollm2_dflash", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
+                     "tiny_deepseek_v3_mtp"]
+    for name in names:
+        cfg = compose_train(name)
+        recipe = load_recipe(cfg.recipe, cfg.options)
+        assert cfg.out.startswith("experiments/checkpoints/") and type(recipe).__module__.startswith(
+            "specdec.drafters."), name
+    with pytest.raises(Exception, match="stepz"):
+        compose_train("smollm2_eagle3", ["optim.stepz=3"])
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in CHECKPOINTS.iterdir()))
+def test_every_committed_checkpoint_records_how_it_was_made(folder):
+    """One ``training.json`` per checkpoint: the command that made it at a revision of this
+    repository, and the one trainer's command for the same recipe (which writes to this folder)."""
+    path = CHECKPOINTS / folder
+    assert sorted(p.name for p in path.glob("*.json") if p.name.startswith("train")) == [RECORD_FILE]
+    record = TrainingRecord.read(path)
+    assert record.steps > 0 and record.held_out["accept"] and record.config
+    assert subprocess.run(["git", "cat-file", "-e", f"{record.revision}^{{commit}}"], cwd=ROOT).returncode == 0
+    command = record.equivalent_command or record.command
+    prefix = "python experiments/train.py --config-name "
+    assert command.startswith(prefix) and (record.equivalent_command is None) == record.command.startswith(prefix)
+    name, *overrides = shlex.split(command[len(prefix):])
+    assert compose_train(name, overrides).out == f"experiments/checkpoints/{folder}"
 
 
 def test_entry_point_trains_and_records_its_command(tmp_path):

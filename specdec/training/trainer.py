@@ -80,7 +80,7 @@ class TrainingRecord:
 
     def write(self, folder: str | Path) -> Path:
         path = Path(folder) / RECORD_FILE
-        path.write_text(json.dumps({k: v for k, v in asdict(self).items() if v is not None}, indent=1) + "\n")
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
         return path
 
     @classmethod
