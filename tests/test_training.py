@@ -236,23 +236,29 @@ def test_a_model_trained_from_scratch_with_its_mtp_modules_loads_as_a_target(tmp
 
 
 def test_mtp_training_logits_are_the_drafters(tiny_target):
-    """Depth 1 of the MTP loss at the last prompt slot computes the logits the drafter drafts its
-    first token from, right after the prefill."""
+    """Depth 1 of the MTP loss at the last prompt slot computes the distribution the drafter drew
+    its first token from, right after the prefill (sampled at temperature 1, so q is those logits'
+    softmax)."""
     from specdec.drafters.mtp.train import mtp_loss
+    from specdec.sampling import SamplingParams
     from specdec.testing import Recording
+    from specdec.verifiers import RejectionVerifier
 
     drafter = DRAFTERS["mtp"].tiny(tiny_target, depth=1)
     prompt = [3, 1, 4, 1, 5, 9]
     rec = Recording(drafter)
-    run(tiny_target, rec, GreedyVerifier(), [Request(prompt, 2)], k=1, eos_token_ids=set())
-    nxt = int(tiny_target.model(torch.tensor([prompt])).logits[0, -1].argmax())
+    run(tiny_target, rec, RejectionVerifier(), [Request(prompt, 2, SamplingParams(temperature=1.0, seed=0))], k=1,
+        eos_token_ids=set())
+    nxt = int(rec.anchors[0])  # the token the target sampled after the prompt
     tokens = torch.tensor([prompt + [nxt, 0]])
     final = target_features(tiny_target, tokens, ())["final"]
     seen: list[torch.Tensor] = []
     mtp_loss(tokens, final, drafter.modules, tiny_target.embed, lambda h: seen.append(h) or tiny_target.logits(h),
              tiny_target.rotary, torch.ones_like(tokens, dtype=torch.bool))
     logits = tiny_target.logits(seen[0])[0, len(prompt) - 1]  # slot i = len-1 reads emb(t_{i+1}) = nxt
-    assert int(logits.argmax()) == int(rec.proposals[0].tokens[0, 0])
+    q = rec.proposals[0].q
+    assert q is not None
+    torch.testing.assert_close(q[0, 0], logits.softmax(-1), atol=1e-5, rtol=1e-4)
 
 
 def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
