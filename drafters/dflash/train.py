@@ -218,10 +218,11 @@ class BlockRecipe(Recipe):
         return model
 
     @staticmethod
-    def feature_scale(data: TrainData) -> Tensor:
-        """Per-channel RMS of the training features [m·D] (see the module docstring)."""
+    def feature_scale(data: TrainData, limit: int = 512) -> Tensor:
+        """Per-channel RMS of the training features [m·D] over the first ``limit`` training
+        sequences (see the module docstring)."""
         sq, n = 0.0, 0
-        for b in data.scan("train", batch=16):
+        for b in data.scan("train", batch=16, limit=limit):
             sq = sq + b.features["features"].float().pow(2).sum((0, 1))
             n += b.num_tokens
         return (sq / n).sqrt().clamp(min=1e-3)

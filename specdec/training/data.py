@@ -83,6 +83,10 @@ class Batch:
     response_start: Tensor  # [B]
     features: dict[str, Tensor]  # {name: [B, T, ...]}, zero past each row's length
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.tokens.to(device), self.lengths.to(device), self.response_start.to(device),
+                     {k: v.to(device) for k, v in self.features.items()})
+
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
@@ -126,16 +130,19 @@ class TrainData:
         if not train:
             raise ValueError("no training sequences")
         self.train, self.held, self.featurize, self.tokenizer = train, held, featurize, tokenizer
+        self._perm: tuple[tuple[int, int] | None, list[int]] = (None, [])
 
     def indices(self, start: int, count: int, seed: int) -> list[int]:
         """Training sequences ``start .. start+count-1`` of the run: epoch ``e`` is a permutation
         seeded by ``(seed, e)``, so the draw is a function of the position alone."""
-        n, out = len(self.train), []
-        for c in range(start, start + count):
-            epoch = c // n
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-            out.append(int(perm[c % n]))
-        return out
+        n = len(self.train)
+        return [self._epoch(seed, c // n)[c % n] for c in range(start, start + count)]
+
+    def _epoch(self, seed: int, epoch: int) -> list[int]:
+        if self._perm[0] != (seed, epoch):  # one permutation kept: batches walk through epochs in order
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            self._perm = ((seed, epoch), torch.randperm(len(self.train), generator=gen).tolist())
+        return self._perm[1]
 
     def batch(self, seqs: list[TokenSeq]) -> Batch:
         return make_batch(seqs, self.featurize)

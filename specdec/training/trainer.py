@@ -177,7 +177,7 @@ def _load_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: t
 def evaluate(recipe: Recipe, model: nn.Module, data: TrainData, cfg: TrainConfig, device: torch.device
              ) -> dict[str, Metric]:
     """The recipe's figures on the held-out sequences (own generator; the model is left in train mode)."""
-    batches = list(data.scan("held", cfg.optim.batch, cfg.eval_sequences))
+    batches = [b.to(device) for b in data.scan("held", cfg.optim.batch, cfg.eval_sequences)]
     if not batches:
         return {}
     gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -245,7 +245,7 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         figures = []
         for m in range(o.accumulate):
             idx = data.indices((step * o.accumulate + m) * o.batch, o.batch, cfg.seed)
-            batch = data.batch([data.train[i] for i in idx])
+            batch = data.batch([data.train[i] for i in idx]).to(device)
             with _autocast(cfg, device):
                 out = recipe.loss(model, batch, gen)
             (out.loss / o.accumulate).backward()
