@@ -52,11 +52,14 @@ class Recipe(ABC):
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         """The trainable model, initialised (the trainer seeds the global RNG first); the
         parameters that require grad are the ones trained. ``target`` is None when the recipe
-        trains a model of its own from scratch (``target: null`` in the config)."""
+        trains a model of its own from scratch (``target: null`` in the config). The recipe may
+        keep on ``self`` what :meth:`loss` needs (the target, its LM-head rows ...); a resumed run
+        calls ``build`` again on the same data, so that must be a function of it."""
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
-        """The training loss of one batch; random draws (anchors ...) come from ``gen`` only."""
+        """The loss of one batch; random draws (anchors ...) come from ``gen`` only. The trainer
+        also calls it, under ``no_grad`` with ``model.training`` False, for the held-out figures."""
 
     def finish(self, model: nn.Module, data: TrainData, gen: torch.Generator) -> dict[str, Any]:
         """After the last step, before saving (e.g. calibrating on held-out data); figures to record."""
