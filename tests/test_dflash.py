@@ -215,7 +215,7 @@ def test_training_blocks_see_only_context_before_their_anchor(target):
     tokens = torch.randint(0, target.vocab_size - 1, (1, T), generator=gen)
     feats = torch.randn(1, T, F, generator=gen)
     batch = BlockBatch(tokens, feats, torch.zeros(1, T, cfg.hidden_size), torch.tensor([T]), torch.tensor([2]))
-    embed, head = target.embed_tokens, target.lm_head
+    embed, head = target.embed_tokens, target.lm_head.weight
     anchors, keep = torch.tensor([[4]]), torch.ones(1, 1, dtype=torch.bool)
     with torch.no_grad():
         base = block_loss(d.model, embed, head, batch, anchors, keep).loss

@@ -175,7 +175,8 @@ def test_bad_inputs(ds_target, tmp_path):
 # --- the committed tiny DeepSeek-V3 with its own trained MTP modules ------------------------
 @pytest.fixture(scope="module")
 def trained() -> Target:
-    assert (CHECKPOINT / "model.safetensors").exists(), f"missing {CHECKPOINT}: run experiments/train_mtp.py"
+    assert (CHECKPOINT / "model.safetensors").exists(), \
+        f"missing {CHECKPOINT}: run experiments/train.py --config-name tiny_deepseek_v3_mtp"
     return specdec.load_target(str(CHECKPOINT))
 
 

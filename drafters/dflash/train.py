@@ -1,4 +1,4 @@
-"""Training losses for block drafters (DFlash, DSpark), many anchors per sequence in one pass.
+"""Training of block drafters (DFlash here, DSpark in :mod:`specdec.drafters.dspark.train`): many anchors per sequence in one pass.
 
 For each sequence, ``A`` anchor positions ``a`` are drawn at random in the response. Block ``a``
 is ``[x_a, MASK × (b−1)]`` at positions ``a..a+b−1``; its queries attend non-causally to their
@@ -6,29 +6,47 @@ own block and to the context K/V of the target features at positions strictly be
 (exactly what the drafter has at inference, where ``x_a`` is the token the target just sampled).
 Blocks never see each other, so all ``A`` blocks of a sequence run as one masked forward.
 
-- **DFlash** (``anchor_predicts=False``): block position ``j ≥ 1`` predicts ``x_{a+j}``;
-  cross-entropy weighted ``exp(−(j−1)/γ)`` (the first draft weighs 1).
-- **DSpark** (``anchor_predicts=True``): block position ``j ≥ 0`` predicts ``x_{a+j+1}``; the
-  Markov head adds its bias from the previous *ground-truth* token (teacher forcing) and
-  ``L = 0.1·CE + 0.9·Σ w_k ‖p^d_k − p^t_k‖₁ + 1.0·BCE(c_k, c*_k)`` with
-  ``w_k = exp(−(k−1)/γ)`` and ``c*_k = 1 − ½‖p^d_k − p^t_k‖₁`` (each term normalised by the
-  weights, as DeepSpec does). ``p^t`` is the target's distribution at the predicted position.
+**DFlash** (``anchor_predicts=False``): block position ``j ≥ 1`` predicts ``x_{a+j}``;
+cross-entropy weighted ``exp(−(j−1)/γ)`` (the first draft weighs 1). DSpark's anchor predicts too
+and its loss adds its heads' terms on the same :func:`block_predictions`.
 
 Labels are the sequence's own tokens: the training data is the target's greedy output
-(:mod:`specdec.training.data`), so in the response they are the target's argmax.
+(:mod:`specdec.training.data`), so in the response they are the target's argmax. Softmaxes (draft
+and target) run over the tokens the training data uses (``vocab``; 9,333 of SmolLM2's 49,152):
+the LM head is most of a step's cost. The checkpoint stores that set as the draft vocabulary
+``t2d`` ([V] bool), masked into the logits at inference, since the other rows were never trained
+down.
+
+:class:`DFlashRecipe` is what the one trainer (:mod:`specdec.training.trainer`) drives. A few
+residual channels of SmolLM2 carry massive activations (RMS ~1500 against a median ~5) that would
+swamp ``fc`` early in a short run; training reads ``features / scale`` (per-channel RMS over the
+training data) and the scale is folded into ``fc`` when saving (``fc(x / s) = (W / s)·x``), so the
+checkpoint is a plain DFlash ``fc``. The output norm starts at the target's final norm (its LM head
+expects that scale). Checkpoints: bf16, without embeddings or LM head, z-lab layout
+(:func:`~specdec.drafters.dflash.checkpoint.save_block_draft`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.drafters.dflash.model import BlockDraftModel
+from specdec.drafters.dflash.checkpoint import save_block_draft
+from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
+from specdec.target import Target, layer_output_ids
+from specdec.training.data import Batch, TrainData, target_features
+from specdec.training.recipe import Recipe, StepOutput, head_rows
 
-__all__ = ["BlockBatch", "BlockLoss", "sample_anchors", "block_forward", "block_loss"]
+__all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
+           "BlockOptions", "BlockRecipe", "DFlashRecipe"]
+
+Embed = Callable[[Tensor], Tensor]
 
 
 @dataclass
@@ -38,17 +56,6 @@ class BlockBatch:
     final_hidden: Tensor  # [B, T, D] the target's post-norm hidden (its logits = lm_head of it)
     lengths: Tensor  # [B]
     response_start: Tensor  # [B]
-
-
-@dataclass
-class BlockLoss:
-    loss: Tensor
-    ce: float
-    l1: float
-    bce: float
-    accept: list[float]  # per draft position: mean soft acceptance 1 − ½‖p^d − p^t‖₁ (or top-1 match)
-    conf_logits: Tensor | None  # [N, γ] detached, for calibration
-    conf_target: Tensor | None  # [N, γ]
 
 
 def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -77,7 +84,7 @@ def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
     return mask.unsqueeze(1)
 
 
-def block_forward(model: BlockDraftModel, embed: nn.Module, batch: BlockBatch, anchors: Tensor,
+def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, anchors: Tensor,
                   keep: Tensor) -> tuple[Tensor, Tensor]:
     """Every anchor's block in one masked forward: final hidden [B, A, b, D] and the block
     tokens [B, A, b] (``[x_a, MASK…]``)."""
@@ -93,68 +100,157 @@ def block_forward(model: BlockDraftModel, embed: nn.Module, batch: BlockBatch, a
     return hidden.view(B, A, b, -1), block_tokens
 
 
-def block_loss(model: BlockDraftModel, embed: nn.Module, lm_head: nn.Module, batch: BlockBatch, anchors: Tensor,
-               keep: Tensor, gamma: float = 4.0, ce_alpha: float = 0.1, l1_alpha: float = 0.9,
-               conf_alpha: float = 1.0, vocab: Tensor | None = None) -> BlockLoss:
-    """The DFlash or DSpark loss (by ``model.cfg.anchor_predicts``) over all anchors at once.
+@dataclass
+class BlockPredictions:
+    """The drafting positions of every block, their logits over the training vocabulary and labels."""
 
-    ``vocab`` [S] restricts every softmax (draft and target) to those token ids, e.g. every token
-    of the training data: the LM head is most of a step's cost and the data uses few of the
-    vocabulary's rows. Labels outside it are left out of the loss."""
+    hidden: Tensor  # [B, A, γ, D] final hidden of the drafting positions
+    logits: Tensor  # [B, A, γ, S] float32, S = |vocab| (V without one)
+    labels: Tensor  # [B, A, γ] indices into the vocabulary subset
+    label_pos: Tensor  # [B, A, γ] sequence index of each label (clamped into the row)
+    prev: Tensor  # [B, A, γ] the token before each label (teacher forcing; the anchor first)
+    valid: Tensor  # [B, A, γ] bool: the label exists and lies in the vocabulary
+    weight: Tensor  # [B, A, γ] exp(−(k−1)/γ) on valid positions, 0 elsewhere
+
+
+def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor,
+                      keep: Tensor, gamma: float = 4.0, vocab: Tensor | None = None) -> BlockPredictions:
+    """Every anchor's block in one forward, with labels. ``head`` [S, D] holds the target's LM-head
+    rows of the training vocabulary ``vocab`` [S] (token ids; None: ``head`` is the whole
+    vocabulary). Labels outside the vocabulary are left out of the loss."""
     cfg = model.cfg
     b, (B, T), A = cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
     hidden, block_tokens = block_forward(model, embed, batch, anchors, keep)
-
-    # which block positions draft, and the index of the token each predicts
-    first = 0 if cfg.anchor_predicts else 1
-    h = hidden[:, :, first:]  # [B, A, γ, D]
+    first = 0 if cfg.anchor_predicts else 1  # which block positions draft
+    h = hidden[:, :, first:]
     n_draft = b - first
     label_idx = anchors.unsqueeze(-1) + torch.arange(1, n_draft + 1)  # [B, A, γ]
     valid = (label_idx < batch.lengths.view(B, 1, 1)) & keep.unsqueeze(-1)
     safe = label_idx.clamp(max=T - 1)
-    labels = batch.tokens.unsqueeze(1).expand(B, A, T).gather(2, safe)
-    prev = torch.cat([block_tokens[:, :, :1], labels[..., :-1]], -1)  # teacher-forced x_{k−1}
-    head_w = lm_head.weight if vocab is None else lm_head.weight[vocab.to(dev)]
-    logits = F.linear(h, head_w).float()  # [B, A, γ, V or S]
-    if model.markov_head is not None:
-        bias = model.markov_head.block_bias(prev.to(dev), h, None if vocab is None else vocab.to(dev))
-        logits = logits + bias.float()
-    if vocab is not None:  # labels as indices into the subset; outside it: out of the loss
-        index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long)
+    tokens = batch.tokens.unsqueeze(1).expand(B, A, T).gather(2, safe)
+    prev = torch.cat([block_tokens[:, :, :1], tokens[..., :-1]], -1)
+    if vocab is None:
+        labels = tokens
+    else:  # labels as indices into the subset; -1 outside it
+        index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
         index[vocab] = torch.arange(vocab.numel())
-        labels = index[labels]
-        valid = valid & (labels >= 0)
-        labels = labels.clamp(min=0)
-    w = torch.exp(-torch.arange(n_draft, dtype=torch.float32) / gamma).to(dev) * valid.to(dev).float()
-    wsum = w.sum().clamp(min=1e-6)
-    ce_tok = F.cross_entropy(logits.flatten(0, 2), labels.flatten().to(dev), reduction="none").view(B, A, n_draft)
-    ce = (ce_tok * w).sum() / wsum
-    if not cfg.anchor_predicts:  # DFlash: CE only
-        match = (logits.argmax(-1) == labels.to(dev)).float()
-        acc = [float((match[..., j] * valid[..., j].to(dev)).sum() / valid[..., j].sum().clamp(min=1))
-               for j in range(n_draft)]
-        return BlockLoss(ce, float(ce.detach()), 0.0, 0.0, acc, None, None)
+        labels = index[tokens]
+    valid = valid & (labels >= 0)
+    w = torch.exp(-torch.arange(n_draft, dtype=torch.float32) / gamma) * valid.float()
+    return BlockPredictions(h, F.linear(h, head.to(h.dtype)).float(), labels.clamp(min=0).to(dev), safe,
+                            prev.to(dev), valid.to(dev), w.to(dev))
 
-    with torch.no_grad():  # the target's distribution where each draft is verified
-        tgt_hidden = batch.final_hidden.unsqueeze(1).expand(B, A, T, -1).gather(
-            2, (safe - 1).clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, batch.final_hidden.shape[-1]).to(dev))
-        p_t = F.linear(tgt_hidden.to(h.dtype), head_w).float().softmax(-1)
-    p_d = logits.softmax(-1)
-    tv = (p_d - p_t).abs().sum(-1)  # [B, A, γ] = 2·total variation
-    l1 = (tv * w).sum() / wsum
-    accept = (1 - 0.5 * tv).clamp(0, 1)
-    loss = ce_alpha * ce + l1_alpha * l1
-    bce = torch.zeros(())
-    conf_logits = None
-    if model.confidence_head is not None:
-        emb = model.markov_head.prev_embed(prev.to(dev)) if (cfg.confidence_head_with_markov and model.markov_head) else None
-        conf_logits = model.confidence_head(h, emb)
-        bce = (F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none") * w).sum() / wsum
-        loss = loss + conf_alpha * bce
-    acc = [float((accept[..., j].detach() * valid[..., j].to(dev)).sum() / valid[..., j].sum().clamp(min=1))
-           for j in range(n_draft)]
-    full = valid.all(-1).to(dev)  # blocks whose every position has a label: calibration data
-    return BlockLoss(loss, float(ce.detach()), float(l1.detach()), float(bce.detach()), acc,
-                     None if conf_logits is None else conf_logits.detach()[full],
-                     accept.detach()[full])
+
+def weighted_ce(p: BlockPredictions, logits: Tensor) -> Tensor:
+    """Cross-entropy of ``logits`` [B, A, γ, S] against the labels, weighted and normalised by the weights."""
+    ce = F.cross_entropy(logits.flatten(0, 2), p.labels.flatten(), reduction="none").view(p.labels.shape)
+    return (ce * p.weight).sum() / p.weight.sum().clamp(min=1e-6)
+
+
+def per_position(values: Tensor, valid: Tensor) -> list[float]:
+    """Mean of ``values`` [B, A, γ] over the valid entries, per position."""
+    v = valid.float()
+    return ((values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)).tolist()
+
+
+def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
+               gamma: float = 4.0, vocab: Tensor | None = None) -> StepOutput:
+    """The DFlash loss over all anchors at once; ``accept`` is the top-1 match rate per position."""
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    ce = weighted_ce(p, p.logits)
+    return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
+
+
+@dataclass
+class BlockOptions:
+    layers: int = 2  # draft decoder layers
+    intermediate: int = 1024  # MLP width
+    features: int = 3  # target layers read (evenly spaced 1..L-3)
+    block: int = 8  # block size (DFlash drafts block − 1 tokens, DSpark block)
+    gamma: float = 4.0  # loss decay exp(−(k−1)/γ)
+    anchors: int = 32  # anchors per sequence and step
+    eval_anchors: int = 64  # anchors per held-out sequence
+    mask_token_id: int | None = None  # the block's filler token; None: the last id of the vocabulary
+    init_std: float = 0.02
+
+
+class BlockRecipe(Recipe):
+    """What DFlash and DSpark share: the backbone built for the target, features, the training
+    vocabulary, the feature scale and the checkpoint. Subclasses give :meth:`extra_config` and :meth:`loss`."""
+
+    options: BlockOptions
+
+    def layer_ids(self, target: Target) -> list[int]:
+        return build_target_layer_ids(target.num_layers, self.options.features)
+
+    def feature_key(self, target: Target) -> str:
+        return f"inputs{'_'.join(map(str, layer_output_ids(self.layer_ids(target))))}-final"
+
+    def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
+        return target_features(target, tokens, layer_output_ids(self.layer_ids(target)))
+
+    def extra_config(self) -> dict[str, Any]:
+        """Config fields beyond the DFlash backbone's."""
+        return {}
+
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        assert target is not None, "block drafters train for a target"
+        o, tc, D = self.options, target.text_config, target.hidden_size
+        cfg = BlockDraftConfig(
+            hidden_size=D, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
+            num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+            head_dim=getattr(tc, "head_dim", None) or D // tc.num_attention_heads, vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers, target_layer_ids=self.layer_ids(target),
+            mask_token_id=target.vocab_size - 1 if o.mask_token_id is None else o.mask_token_id,
+            block_size=o.block, rms_norm_eps=tc.rms_norm_eps, rope_parameters=dict(tc.rope_parameters),
+            max_position_embeddings=tc.max_position_embeddings, **self.extra_config())
+        model = BlockDraftModel(cfg)
+        model.init_weights(o.init_std)
+        with torch.no_grad():  # start the output norm where the target's is: its LM head expects that scale
+            model.norm.weight.copy_(target.final_norm.weight.float())
+        vocab = torch.cat([s.tokens for s in data.train]).unique()  # every token the training data uses
+        t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+        t2d[vocab] = True
+        model.set_draft_vocab(t2d)  # trained over these tokens only: draft only these
+        self.target, self.vocab, self.head = target, vocab, head_rows(target, vocab)
+        self.scale = self.feature_scale(data)
+        return model
+
+    @staticmethod
+    def feature_scale(data: TrainData, limit: int = 512) -> Tensor:
+        """Per-channel RMS of the training features [m·D] over the first ``limit`` training
+        sequences (see the module docstring)."""
+        sq, n = 0.0, 0
+        for b in data.scan("train", batch=16, limit=limit):
+            sq = sq + b.features["features"].float().pow(2).sum((0, 1))
+            n += b.num_tokens
+        return (sq / n).sqrt().clamp(min=1e-3)
+
+    def block_batch(self, batch: Batch) -> BlockBatch:
+        return BlockBatch(batch.tokens, batch.features["features"].float() / self.scale, batch.features["final"].float(),
+                          batch.lengths, batch.response_start)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.target.embed(ids).float()
+
+    def anchors(self, model: nn.Module, bb: BlockBatch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        return sample_anchors(bb, self.options.anchors if model.training else self.options.eval_anchors, gen)
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        assert isinstance(model, BlockDraftModel)
+        with torch.no_grad():
+            model.fc.weight.div_(self.scale)  # fold the feature scaling: the checkpoint reads raw features
+        save_block_draft(model, out)
+
+
+class DFlashRecipe(BlockRecipe):
+    """A DFlash block drafter for a frozen target."""
+
+    Options = BlockOptions
+
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        assert isinstance(model, BlockDraftModel)
+        bb = self.block_batch(batch)
+        anchors, keep = self.anchors(model, bb, gen)
+        return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab)

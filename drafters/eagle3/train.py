@@ -15,31 +15,38 @@ random subset of anchors, which makes training on one CPU thread affordable.
 
 Loss: soft cross-entropy against the target distribution restricted to the draft vocabulary,
 ``Σ_s 0.8^s · CE_s``; positions whose target argmax lies outside the draft vocabulary are masked,
-as are positions before the response (the draft is served on responses). Features and data come
-from :mod:`specdec.training.data` (the target's own responses); they are cached on disk.
+as are positions before the response (the draft is served on responses).
 
-Checkpoints for resuming are safetensors only (model, optimizer moments, step, generator state).
+:class:`Eagle3Recipe` is what the one trainer (:mod:`specdec.training.trainer`) drives: data and
+features come from :mod:`specdec.training.data` (the target's own responses, the inputs of layers
+``(2, L//2, L-3)`` and the post-norm final hidden state, cached). The draft vocabulary is the
+``draft_vocab`` most frequent response tokens of the training sequences (``d2t``/``t2d``); the
+embedding is the target's (frozen, not saved). Everything else starts from PyTorch's default
+initialisation: starting ``lm_head``/``norm`` from the target's rows learned more slowly in a
+25-step comparison (its initial logits are far too large for the random layer below it). The
+checkpoint is the speculators format (:func:`~specdec.drafters.eagle3.checkpoint.save_eagle3`, bf16).
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from tqdm import tqdm
 
-from specdec.training.data import DistilledSeq, FeatureSeq
+from specdec.drafters.eagle3.checkpoint import save_eagle3
+from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids, draft_layer_config, vocab_map
+from specdec.target import Target
+from specdec.training.data import Batch, FeatureSeq, TokenSeq, TrainData, target_features
+from specdec.training.recipe import Recipe, StepOutput, head_rows
 
-__all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss",
-           "save_train_state", "load_train_state"]
+__all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss", "Eagle3Options", "Eagle3Recipe"]
 
 
-def token_counts(seqs: list[DistilledSeq] | list[FeatureSeq], vocab_size: int) -> Tensor:
+def token_counts(seqs: list[TokenSeq] | list[FeatureSeq], vocab_size: int) -> Tensor:
     """How often each token appears in the responses (what a draft must propose). [V]"""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in seqs:
@@ -64,7 +71,7 @@ class TTTResult:
     logits: list[Tensor]  # per step: draft logits over the draft vocabulary [A, Vd]
 
 
-def ttt_loss(model: nn.Module, embed: nn.Module, head: Tensor, in_draft: Tensor, seq: FeatureSeq,
+def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, in_draft: Tensor, seq: FeatureSeq,
              anchors: Tensor, steps: int = 7, decay: float = 0.8) -> TTTResult:
     """The TTT loss of an :class:`~specdec.drafters.eagle3.model.Eagle3Model` on one sequence.
 
@@ -116,31 +123,59 @@ def ttt_loss(model: nn.Module, embed: nn.Module, head: Tensor, in_draft: Tensor,
     return TTTResult(total, correct, counted, all_logits)
 
 
-def save_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int, gen: torch.Generator,
-                     extra: dict | None = None) -> None:
-    """Model weights, AdamW moments, step and the data generator's state, as safetensors + JSON."""
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    for i, st in opt.state_dict()["state"].items():
-        for key, val in st.items():
-            tensors[f"opt.{i}.{key}"] = torch.as_tensor(val).contiguous()
-    tensors["gen_state"] = gen.get_state()
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "train_state.tmp"))
-    (path / "train_state.tmp").replace(path / "train_state.safetensors")
-    (path / "train_state.json").write_text(json.dumps({"step": step, **(extra or {})}, indent=2))
+@dataclass
+class Eagle3Options:
+    draft_vocab: int = 8192  # the most frequent response tokens of the training data
+    ttt_steps: int = 7  # training-time-test depth
+    anchors: int = 64  # TTT anchors per sequence and step
+    eval_anchors: int = 128  # anchors per held-out sequence
+    decay: float = 0.8  # step s weighs decay**s
+    layer_ids: list[int] | None = None  # target layer inputs fused; None: EAGLE-3's (2, L//2, L-3)
+    verifier: str = ""  # the target as the speculators config names it (a hub id or a path)
 
 
-def load_train_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> int:
-    """Restore what :func:`save_train_state` wrote; returns the step to continue from."""
-    data = load_file(str(path / "train_state.safetensors"))
-    model.load_state_dict({k[6:]: v for k, v in data.items() if k.startswith("model.")})
-    sd = opt.state_dict()
-    state: dict[int, dict] = {}
-    for k, v in data.items():
-        if k.startswith("opt."):
-            _, i, key = k.split(".", 2)
-            state.setdefault(int(i), {})[key] = v
-    sd["state"] = state
-    opt.load_state_dict(sd)
-    gen.set_state(data["gen_state"])
-    return int(json.loads((path / "train_state.json").read_text())["step"])
+class Eagle3Recipe(Recipe):
+    """An EAGLE-3 head for a frozen target, trained with the training-time test."""
+
+    Options = Eagle3Options
+    options: Eagle3Options
+
+    def layer_ids(self, target: Target) -> tuple[int, ...]:
+        return tuple(self.options.layer_ids or default_layer_ids(target.num_layers))
+
+    def feature_key(self, target: Target) -> str:
+        return f"inputs{'_'.join(map(str, self.layer_ids(target)))}-final"
+
+    def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
+        return target_features(target, tokens, self.layer_ids(target))
+
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        assert target is not None, "eagle3 trains for a target"
+        d2t, t2d = vocab_map(token_counts(data.train, target.vocab_size), self.options.draft_vocab)
+        spec = Eagle3Spec(self.layer_ids(target), target.hidden_size, self.options.draft_vocab, norm_before_residual=True)
+        model = Eagle3Model(draft_layer_config(target.text_config), spec)
+        with torch.no_grad():
+            model.d2t.copy_(d2t)
+            model.t2d.copy_(t2d)
+        self.target = target
+        self.head = head_rows(target, model.draft_ids)  # the target's logits over the draft vocabulary
+        return model
+
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        assert isinstance(model, Eagle3Model)
+        o = self.options
+        n_anchors = o.anchors if model.training else o.eval_anchors
+        B = batch.tokens.shape[0]
+        total, correct, counted = torch.zeros(()), [0] * o.ttt_steps, [0] * o.ttt_steps
+        for b in range(B):
+            seq = batch.feature_seq(b)
+            r = ttt_loss(model, lambda ids: self.target.embed(ids).float(), self.head, model.t2d, seq,
+                         sample_anchors(seq, n_anchors, gen), o.ttt_steps, o.decay)
+            total = total + r.loss / B
+            correct = [a + c for a, c in zip(correct, r.correct)]
+            counted = [a + c for a, c in zip(counted, r.counted)]
+        return StepOutput(total, {"accept": [c / max(1, n) for c, n in zip(correct, counted)]})
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        assert isinstance(model, Eagle3Model)
+        save_eagle3(model, out, verifier=self.options.verifier)

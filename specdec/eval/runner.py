@@ -30,7 +30,6 @@ from __future__ import annotations
 import importlib
 import json
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -46,6 +45,7 @@ from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
+from specdec.provenance import git_sha
 from specdec.registry import drafter_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -400,16 +400,6 @@ def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, in
 
 # ------------------------------------------------------------------------------------------------
 # output files
-
-def git_sha() -> str | None:
-    """The commit this library runs from (recorded with every result and checkpoint), or None."""
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
 
 def write_outputs(result: ExperimentResult, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)

@@ -1,17 +1,28 @@
-"""Training data for drafters: the target's own responses to offline prompts (self-distillation).
+"""Training data for drafters: one pipeline, one held-out rule, for every recipe.
 
-A drafter is judged by how often the target agrees with it, so it learns best from text the target
-itself wrote: each prompt is formatted with the target's chat template and answered by the target
-(greedy, through this library's own autoregressive loop, so exactly what it would emit when served).
+**Sequences.** A drafter is judged by how often the target agrees with it, so it learns best from
+text the target itself wrote: ``source: distill`` formats offline prompts with the target's chat
+template and has the target answer them (greedy, through this library's own loop, so exactly what
+it would emit when served), cached once per (model, settings) under ``cache_dir()/distill/``.
+Prompts come from ShareGPT (first human turns), MT-bench and HumanEval. A model trained from
+scratch, which has no answers of its own, reads ``source: stdlib``: Python's standard library source
+(:mod:`specdec.training.text`), cut into windows of ``window`` tokens.
 
-Prompts come from ShareGPT (first human turns), MT-bench and HumanEval. The benchmark items are
-held out: the first :data:`HELD_OUT` ``["mtbench"]`` MT-bench questions and the first
-``["humaneval"]`` HumanEval problems are what the benchmark scripts load
-(``load_dataset(DatasetConfig(name=..., num_prompts=N))`` takes the first N), so no drafter is
-trained on a prompt it is measured on.
+**Held out, two ways, each by one rule.**
 
-Generated sequences are cached once per (model, settings) under ``cache_dir()/distill/`` as
-safetensors, so every recipe and every rerun reads the same data.
+- Benchmark items are never trained on: the first :data:`HELD_OUT` ``["mtbench"]`` MT-bench
+  questions and the first ``["humaneval"]`` HumanEval problems are what the benchmarks load
+  (``load_dataset(DatasetConfig(name=..., num_prompts=N))`` takes the first N), so they are
+  left out of the prompts.
+- The held-out figures a run records come from items that :func:`held_out` marks: an item whose
+  name (a distilled sequence's prompt tokens, a standard-library file's name) hashes to 0 modulo
+  ``held_out_every``. The rule depends on the item alone, so an item stays held out when the data
+  set grows and every recipe holds out the same prompts.
+
+**Batches and features.** :class:`TrainData` draws training sequences in seeded epochs (a pure
+function of the step, so a resumed run draws what an uninterrupted one would) and pads them into a
+:class:`Batch` with the target features the recipe asks for (:meth:`Recipe.featurize`), computed
+once and cached as safetensors (``cache_features``) or per batch.
 """
 
 from __future__ import annotations
@@ -19,7 +30,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,29 +43,118 @@ from specdec.eval.config import DatasetConfig
 from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.models import cache_dir
 from specdec.target import Target
+from specdec.training.config import DataConfig
 
-__all__ = ["HELD_OUT", "RECIPE_DATA", "DistilledSeq", "FeatureSeq", "training_conversations", "self_distill",
-           "recipe_data", "target_features", "extract_features"]
+__all__ = ["HELD_OUT", "held_out", "TokenSeq", "FeatureSeq", "Batch", "TrainData", "training_conversations",
+           "self_distill", "save_sequences", "load_sequences", "target_features", "make_batch", "load_data"]
 
 # benchmark items never trained on: the first N of each dataset's file order
 HELD_OUT: dict[str, int] = {"mtbench": 40, "humaneval": 82}
-# the data every committed SmolLM2 recipe trains on (generated once, then read from the cache)
-RECIPE_DATA: dict[str, int] = {"n": 512, "max_new_tokens": 256, "seed": 0}
+
+Featurize = Callable[[Tensor], dict[str, Tensor]]  # tokens [B, T] -> {name: [B, T, ...]}
+
+
+def held_out(name: str, every: int) -> bool:
+    """The one held-out rule: ``name`` (an item's identity) hashes to 0 modulo ``every``."""
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
 
 
 @dataclass
-class DistilledSeq:
-    tokens: Tensor  # [T] int64: chat-formatted prompt, then the target's response
-    response_start: int  # index of the first response token
+class TokenSeq:
+    tokens: Tensor  # [T] int64: chat-formatted prompt, then the target's response (or plain text)
+    response_start: int  # index of the first response token (0 for plain text)
+    features: dict[str, Tensor] = field(default_factory=dict)  # cached target features {name: [T, ...]}
 
 
 @dataclass
 class FeatureSeq:
+    """One sequence with the features the layer-input recipes read (EAGLE-3's training-time test)."""
+
     tokens: Tensor  # [T] int64
     response_start: int
     features: Tensor  # [T, m·D] the chosen hidden states, concatenated in id order
-    final: Tensor  # [T, D] post-norm final hidden state (target logits = lm_head(final))
+    final: Tensor  # [T, D] post-norm final hidden state (target logits = target.logits(final))
 
+
+@dataclass
+class Batch:
+    tokens: Tensor  # [B, T] int64, right-padded with 0
+    lengths: Tensor  # [B]
+    response_start: Tensor  # [B]
+    features: dict[str, Tensor]  # {name: [B, T, ...]}, zero past each row's length
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.tokens.to(device), self.lengths.to(device), self.response_start.to(device),
+                     {k: v.to(device) for k, v in self.features.items()})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int((self.lengths - self.response_start).clamp(min=0).sum())
+
+    def feature_seq(self, b: int) -> FeatureSeq:
+        """Row ``b`` cut to its length, with the ``features`` and ``final`` entries."""
+        n = int(self.lengths[b])
+        return FeatureSeq(self.tokens[b, :n], int(self.response_start[b]), self.features["features"][b, :n],
+                          self.features["final"][b, :n])
+
+
+def make_batch(seqs: list[TokenSeq], featurize: Featurize | None = None) -> Batch:
+    """Right-pad ``seqs`` into a batch: their cached features stacked, or ``featurize`` run on the
+    padded tokens (a causal target gives every row's real positions exactly)."""
+    lengths = torch.tensor([s.tokens.numel() for s in seqs])
+    T = int(lengths.max())
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tokens[b, : s.tokens.numel()] = s.tokens
+    if seqs[0].features:
+        feats = {}
+        for name, first in seqs[0].features.items():
+            out = first.new_zeros(len(seqs), T, *first.shape[1:])
+            for b, s in enumerate(seqs):
+                out[b, : s.tokens.numel()] = s.features[name]
+            feats[name] = out
+    else:
+        feats = featurize(tokens) if featurize is not None else {}
+    return Batch(tokens, lengths, torch.tensor([s.response_start for s in seqs]), feats)
+
+
+class TrainData:
+    """Training and held-out sequences, drawn into batches."""
+
+    def __init__(self, train: list[TokenSeq], held: list[TokenSeq], featurize: Featurize | None = None,
+                 tokenizer=None):
+        if not train:
+            raise ValueError("no training sequences")
+        self.train, self.held, self.featurize, self.tokenizer = train, held, featurize, tokenizer
+        self._perm: tuple[tuple[int, int] | None, list[int]] = (None, [])
+
+    def indices(self, start: int, count: int, seed: int) -> list[int]:
+        """Training sequences ``start .. start+count-1`` of the run: epoch ``e`` is a permutation
+        seeded by ``(seed, e)``, so the draw is a function of the position alone."""
+        n = len(self.train)
+        return [self._epoch(seed, c // n)[c % n] for c in range(start, start + count)]
+
+    def _epoch(self, seed: int, epoch: int) -> list[int]:
+        if self._perm[0] != (seed, epoch):  # one permutation kept: batches walk through epochs in order
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            self._perm = ((seed, epoch), torch.randperm(len(self.train), generator=gen).tolist())
+        return self._perm[1]
+
+    def batch(self, seqs: list[TokenSeq]) -> Batch:
+        return make_batch(seqs, self.featurize)
+
+    def scan(self, split: str = "train", batch: int = 8, limit: int | None = None) -> Iterator[Batch]:
+        """The first ``limit`` sequences of ``split`` in order, ``batch`` at a time."""
+        seqs = (self.train if split == "train" else self.held)[:limit]
+        for lo in range(0, len(seqs), batch):
+            yield self.batch(seqs[lo: lo + batch])
+
+
+# --- distilled sequences --------------------------------------------------------------------------
 
 def _save_ragged(path: Path, fields: dict[str, list[Tensor]], response_start: list[int],
                  metadata: dict[str, str] | None = None) -> None:
@@ -62,7 +163,7 @@ def _save_ragged(path: Path, fields: dict[str, list[Tensor]], response_start: li
     lengths = torch.tensor([0] + [t.shape[0] for t in fields["tokens"]])
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_file({**{k: torch.cat(v) for k, v in fields.items()}, "offsets": lengths.cumsum(0),
+    save_file({**{k: torch.cat(v).contiguous() for k, v in fields.items()}, "offsets": lengths.cumsum(0),
                "response_start": torch.tensor(response_start)}, str(tmp), metadata=metadata)
     tmp.replace(path)
 
@@ -73,6 +174,17 @@ def _load_ragged(path: Path) -> tuple[dict[str, list[Tensor]], list[int]]:
     off = data.pop("offsets").tolist()
     starts = data.pop("response_start").tolist()
     return {k: [v[a:b] for a, b in zip(off[:-1], off[1:])] for k, v in data.items()}, starts
+
+
+def save_sequences(path: str | Path, seqs: list[TokenSeq], metadata: dict[str, str] | None = None) -> None:
+    """A data set as one safetensors file: token ids and each sequence's prompt/response split."""
+    _save_ragged(Path(path), {"tokens": [s.tokens for s in seqs]}, [s.response_start for s in seqs], metadata)
+
+
+def load_sequences(path: str | Path) -> list[TokenSeq]:
+    """What :func:`save_sequences` (or :func:`self_distill`) wrote."""
+    fields, starts = _load_ragged(Path(path))
+    return [TokenSeq(t, s) for t, s in zip(fields["tokens"], starts)]
 
 
 def training_conversations(n: int, seed: int = 0, max_chars: int = 2000) -> list[list[dict]]:
@@ -95,7 +207,7 @@ def training_conversations(n: int, seed: int = 0, max_chars: int = 2000) -> list
     return [[{"role": "user", "content": t}] for t in texts[:n]]
 
 
-def _model_key(target: Target) -> str:
+def model_key(target: Target) -> str:
     """Identifies the target's weights cheaply: its config and a checksum of a few parameters."""
     h = hashlib.sha1(json.dumps(target.config.to_dict(), sort_keys=True, default=str).encode())
     for p in list(target.model.parameters())[:4]:
@@ -104,7 +216,7 @@ def _model_key(target: Target) -> str:
 
 
 def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 0, batch: int = 16,
-                 max_prompt_tokens: int = 384, path: str | Path | None = None) -> list[DistilledSeq]:
+                 max_prompt_tokens: int = 384, path: str | Path | None = None, progress: bool = True) -> list[TokenSeq]:
     """The target's greedy responses to ``n`` training conversations; cached on disk.
 
     Generation runs through :func:`specdec.loop.run` with no drafter (ragged batches, per-row EOS),
@@ -115,61 +227,95 @@ def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 
     from specdec.loop import Request, run
     from specdec.verifiers import GreedyVerifier
 
-    key = f"{_model_key(target)}-n{n}-new{max_new_tokens}-s{seed}-p{max_prompt_tokens}"
+    key = f"{model_key(target)}-n{n}-new{max_new_tokens}-s{seed}-p{max_prompt_tokens}"
     file = Path(path) if path else cache_dir() / "distill" / f"{key}.safetensors"
     if file.exists():
-        fields, starts = _load_ragged(file)
-        return [DistilledSeq(t, s) for t, s in zip(fields["tokens"], starts)]
+        return load_sequences(file)
 
     prompts = [encode_messages(target, c, chat=True)[-max_prompt_tokens:] for c in training_conversations(n, seed)]
     order = sorted(range(n), key=lambda i: len(prompts[i]))
     answers: dict[int, list[int]] = {}
-    for lo in tqdm(range(0, n, batch), desc="self-distill"):
+    for lo in tqdm(range(0, n, batch), desc="self-distill", disable=not progress):
         idx = order[lo: lo + batch]
         reqs = [Request(prompts[i], max_new_tokens) for i in idx]
         with torch.inference_mode():
             out = run(target, None, GreedyVerifier(), reqs, k=1)
         answers.update({i: r.tokens for i, r in zip(idx, out.requests)})
-    seqs = [DistilledSeq(torch.tensor(prompts[i] + answers[i], dtype=torch.long), len(prompts[i])) for i in range(n)]
+    seqs = [TokenSeq(torch.tensor(prompts[i] + answers[i], dtype=torch.long), len(prompts[i])) for i in range(n)]
 
-    _save_ragged(file, {"tokens": [s.tokens for s in seqs]}, [s.response_start for s in seqs],
-                 metadata={"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
+    save_sequences(file, seqs, {"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
     return seqs
 
 
-def recipe_data(target: Target) -> list[DistilledSeq]:
-    """The committed recipes' data: :data:`RECIPE_DATA` through :func:`self_distill` (load the target
-    in fp32, as served: the cache key includes the dtype)."""
-    return self_distill(target, batch=64, **RECIPE_DATA)
-
-
-@torch.no_grad()  # not inference_mode: training code uses these tensors next to autograd
-def target_features(target: Target, tokens: Tensor, hs_ids: list[int]) -> tuple[Tensor, Tensor]:
-    """Hidden states of one sequence: ``output_hidden_states`` entries ``hs_ids`` ``[T, m, D]``
-    (entry ``i`` = the input of layer ``i``) and the post-norm final hidden state ``[T, D]``
-    (``target.lm_head(final)`` gives the target's logits)."""
-    if any(not 0 <= i <= target.num_layers for i in hs_ids):
-        raise ValueError(f"hidden-state ids {hs_ids} outside [0, {target.num_layers}]")
-    out = target.decoder(input_ids=tokens.view(1, -1).to(target.device), output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states
-    picked = torch.stack([hs[i][0] for i in hs_ids], dim=1) if hs_ids else tokens.new_zeros(0)
-    return picked, out.last_hidden_state[0]
-
-
-def extract_features(target: Target, seqs: list[DistilledSeq], hs_ids: list[int] | tuple[int, ...],
-                     path: Path | None = None, max_len: int | None = None,
-                     dtype: torch.dtype = torch.bfloat16) -> list[FeatureSeq]:
-    """:func:`target_features` of every sequence (cut to ``max_len`` tokens), one at a time (no
-    padding), stored in ``dtype``; cached at ``path`` when given, read back from it when it exists."""
-    if path is not None and path.exists():
-        fields, starts = _load_ragged(path)
-        return [FeatureSeq(t, s, f, h) for t, s, f, h in zip(fields["tokens"], starts, fields["features"], fields["final"])]
-    out = []
-    for s in tqdm(seqs, desc="target features"):
-        tokens = s.tokens[:max_len]
-        hs, final = target_features(target, tokens, list(hs_ids))
-        out.append(FeatureSeq(tokens, s.response_start, hs.flatten(1).to(dtype), final.to(dtype)))
-    if path is not None:
-        _save_ragged(path, {"tokens": [f.tokens for f in out], "features": [f.features for f in out],
-                            "final": [f.final for f in out]}, [f.response_start for f in out])
+def target_features(target: Target, tokens: Tensor, layer_inputs: list[int] | tuple[int, ...]) -> dict[str, Tensor]:
+    """What the layer-reading recipes train on, through the target's seam: ``features`` [B, T, m·D]
+    (the inputs of ``layer_inputs``, concatenated in that order; empty when none) and ``final``
+    [B, T, D] (the post-norm final hidden state: ``target.logits(final)`` is the target's logits)."""
+    hidden, final = target.features(tokens, layer_inputs)
+    out = {"final": final}
+    if layer_inputs:
+        out["features"] = torch.cat([hidden[i] for i in layer_inputs], -1)
     return out
+
+
+# --- the one entry point ---------------------------------------------------------------------------
+
+def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[list[TokenSeq], list[TokenSeq], object]:
+    """(train, held-out, tokenizer) before features, by the one held-out rule."""
+    if cfg.source == "stdlib":
+        from specdec.training.text import encode_files, stdlib_files, train_tokenizer, windows
+
+        files = stdlib_files("train", cfg.held_out_every)[: cfg.max_files]
+        held_files = stdlib_files("heldout", cfg.held_out_every)
+        tokenizer = target.tokenizer if target is not None else train_tokenizer(files, cfg.vocab_size)
+        train, held = ([TokenSeq(w, 0) for w in windows(encode_files(tokenizer, fs), cfg.window)]
+                       for fs in (files, held_files))
+        return train[: cfg.use], held, tokenizer
+    if cfg.path:
+        seqs = load_sequences(cfg.path)
+    elif target is None:
+        raise ValueError("data.source=distill needs a target to answer the prompts (or data.path)")
+    else:
+        seqs = self_distill(target, cfg.sequences, cfg.max_new_tokens, cfg.seed, batch=64, progress=progress)
+    seqs = seqs[: cfg.use]
+    seqs = [TokenSeq(s.tokens[: cfg.max_len], s.response_start) for s in seqs]
+    names = [",".join(map(str, s.tokens[: s.response_start].tolist())) for s in seqs]  # the prompt
+    split = [held_out(n, cfg.held_out_every) for n in names]
+    return ([s for s, h in zip(seqs, split) if not h], [s for s, h in zip(seqs, split) if h],
+            target.tokenizer if target is not None else None)
+
+
+def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | None = None,
+              feature_key: str | None = None, progress: bool = False) -> TrainData:
+    """Training and held-out sequences for a recipe, with its features.
+
+    ``featurize`` computes the recipe's target features (None: it reads none). With
+    ``cfg.cache_features`` they are computed once per sequence (no padding) and stored under
+    ``cache_dir()/features/``, keyed by the target's weights, the data settings and ``feature_key``
+    (what ``featurize`` computes); otherwise each batch computes its own.
+    """
+    train, held, tokenizer = _sequences(cfg, target, progress)
+    dtype = getattr(torch, cfg.feature_dtype)
+    if target is not None and target.dtype != dtype:
+        target.model.to(dtype)  # after the data: the distillation cache is keyed on the served weights
+    if featurize is None or not cfg.cache_features:
+        return TrainData(train, held, featurize, tokenizer)
+    assert target is not None and feature_key is not None, "cached features need a target and a feature key"
+    settings = {k: v for k, v in vars(cfg).items() if k != "cache_features"}
+    key = hashlib.sha1(json.dumps([model_key(target), settings, feature_key], sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "features" / f"{feature_key}-{key}.safetensors"
+    every = train + held
+    if path.exists():
+        fields, _ = _load_ragged(path)
+        if not all(torch.equal(a, s.tokens) for a, s in zip(fields.pop("tokens"), every)):
+            raise ValueError(f"{path} holds other sequences than this data set: delete it")
+        for i, s in enumerate(every):
+            s.features = {name: v[i] for name, v in fields.items()}
+    else:
+        for s in tqdm(every, desc="target features", disable=not progress):
+            s.features = {k: v[0].to(dtype) if v.is_floating_point() else v[0]
+                          for k, v in featurize(s.tokens.unsqueeze(0)).items()}
+        _save_ragged(path, {"tokens": [s.tokens for s in every],
+                            **{k: [s.features[k] for s in every] for k in every[0].features}},
+                     [s.response_start for s in every])
+    return TrainData(train, held, None, tokenizer)

@@ -1,0 +1,133 @@
+"""Training a Gemma-4-style assistant (``gemma_mtp``) for a frozen target: the unrolled loss and its recipe.
+
+For every training sequence the frozen target gives, once (cached with the data), its post-norm
+hidden state, its greedy next token, and the K/V of the cache layer each assistant layer reads
+(:func:`target_kv`).
+
+Objective (what greedy verification accepts): an anchor token at position ``p`` (in the response)
+with the target's hidden state at ``p-1`` predicts the target's argmax after ``p``; then
+``unroll - 1`` more steps at the same position, each fed the previous step's ``post_projection``
+output and the target's greedy token, predict the target's next argmax. A step's loss counts only
+where the text agrees with the target's greedy choices before it (elsewhere its label was
+conditioned on another prefix). Step ``j`` is weighted ``decay**j``. Queries attend to the target's
+cached K/V strictly before the anchor, exactly as the drafter reads them at inference. The
+checkpoint is a bf16 ``gemma4_assistant`` folder (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layers
+from specdec.target import Target
+from specdec.training.data import Batch, TrainData, target_features
+from specdec.training.recipe import Recipe, StepOutput
+
+__all__ = ["target_kv", "response_anchors", "unrolled_loss", "GemmaMTPOptions", "GemmaMTPRecipe"]
+
+
+def target_kv(target: Target, tokens: Tensor, sources: dict[str, int]) -> dict[str, tuple[Tensor, Tensor]]:
+    """The keys and values the target caches for ``tokens`` [B, T] (right padding is harmless: a
+    causal model's real positions do not see it), at the cache layer of each attention type:
+    {type: (K, V)}, each [B, T, H_kv, d]."""
+    session = target.new_session(tokens.shape[0])
+    with torch.no_grad():
+        target.prefill(session, tokens.tolist())
+    # TODO(seam): read through the Target's per-layer KV view once it exists; this reaches into the
+    # transformers cache the same way drafters/gemma_mtp/drafter.py does today.
+    layers = session.cache.kv.layers
+    return {t: (layers[i].keys.transpose(1, 2), layers[i].values.transpose(1, 2)) for t, i in sources.items()}
+
+
+def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Up to ``num`` distinct anchors per row in ``[response_start, length − unroll − 1]`` (every
+    unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A]."""
+    B = batch.tokens.shape[0]
+    anchors = torch.ones(B, num, dtype=torch.long)  # padding anchors: any position with a hidden before it
+    keep = torch.zeros(B, num, dtype=torch.bool)
+    for b in range(B):
+        lo, hi = max(1, int(batch.response_start[b])), int(batch.lengths[b]) - unroll - 1
+        pick = (torch.randperm(max(hi - lo + 1, 0), generator=gen)[:num] + lo).sort().values
+        anchors[b, : pick.numel()], keep[b, : pick.numel()] = pick, True
+    return anchors, keep
+
+
+def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor], batch: Batch, anchors: Tensor, keep: Tensor, unroll: int,
+                  decay: float = 0.8) -> tuple[Tensor, list[float]]:
+    """The unrolled loss over ``anchors`` [B, A] (``keep`` marks the real ones); returns the loss
+    and the top-1 accuracy per step (over positions whose text agrees with the target so far).
+    ``batch.features``: ``final`` [B, T, D], ``argmax`` [B, T], ``k.<type>``/``v.<type>`` [B, T, H, d]."""
+    f, tokens = batch.features, batch.tokens
+    T = tokens.shape[1]
+    hidden, argmax = f["final"].float(), f["argmax"]
+    kv = {n[2:]: (f[n].float().transpose(1, 2), f["v" + n[1:]].float().transpose(1, 2)) for n in f if n.startswith("k.")}
+    allowed = torch.arange(T).view(1, 1, T) < anchors.unsqueeze(-1)  # keys strictly before the anchor
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]  # [B, 1, A, T]
+    h = hidden.gather(1, (anchors - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    x_tok, agree = tokens.gather(1, anchors), keep.clone()
+    total, accs = hidden.new_zeros(()), []
+    for j in range(unroll):
+        label = argmax.gather(1, (anchors + j).clamp(max=T - 1))
+        x = assistant.pre_projection(torch.cat([embed(x_tok), h], -1))
+        # output_hidden_states keeps transformers from slicing the (independent) queries as a sequence
+        y = assistant.model(inputs_embeds=x, attention_mask={t: mask for t in kv}, position_ids=anchors,
+                            shared_kv_states=kv, use_cache=False, output_hidden_states=True).last_hidden_state
+        logits = assistant.lm_head(y).float()
+        ce = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none").view(label.shape)
+        n = agree.sum().clamp(min=1)
+        total = total + decay ** j * (ce * agree).sum() / n
+        accs.append(float(((logits.argmax(-1) == label) & agree).sum() / n))
+        h, x_tok = assistant.post_projection(y), label
+        agree = agree & (tokens.gather(1, (anchors + j + 1).clamp(max=T - 1)) == label)
+    return total, accs
+
+
+@dataclass
+class GemmaMTPOptions:
+    hidden: int = 128  # assistant hidden size
+    intermediate: int = 512  # assistant MLP width
+    unroll: int = 3  # draft steps trained per anchor
+    anchors: int = 64  # anchors per sequence and step
+    decay: float = 0.8  # step j weighs decay**j
+
+
+class GemmaMTPRecipe(Recipe):
+    """A Gemma-4-style assistant (Q-only layers on the target's KV cache) for a frozen target."""
+
+    Options = GemmaMTPOptions
+    options: GemmaMTPOptions
+
+    def feature_key(self, target: Target) -> str:
+        return "final-argmax-kv" + "_".join(f"{t}{i}" for t, i in sorted(kv_source_layers(target).items()))
+
+    def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
+        final = target_features(target, tokens, ())["final"]
+        out = {"final": final, "argmax": target.logits(final).argmax(-1)}
+        for t, (k, v) in target_kv(target, tokens, kv_source_layers(target)).items():
+            out[f"k.{t}"], out[f"v.{t}"] = k, v
+        return out
+
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        assert target is not None, "gemma_mtp trains for a target"
+        self.target = target
+        config = assistant_config(target, hidden_size=self.options.hidden, intermediate_size=self.options.intermediate)
+        return AutoModelForCausalLM.from_config(config)
+
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        assert isinstance(model, PreTrainedModel)
+        o = self.options
+        anchors, keep = response_anchors(batch, o.anchors, o.unroll, gen)
+        loss, accs = unrolled_loss(model, lambda ids: self.target.embed(ids).float(), batch, anchors, keep, o.unroll,
+                                   o.decay)
+        return StepOutput(loss, {"accept": accs})
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        assert isinstance(model, PreTrainedModel)
+        model.to(torch.bfloat16).save_pretrained(out)

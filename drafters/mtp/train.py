@@ -1,0 +1,193 @@
+"""DeepSeek-V3's multi-token-prediction loss (arXiv 2412.19437 §2.2) and its two recipes.
+
+Depth ``d`` at slot ``i`` reads ``emb(t_{i+d})`` and depth ``d-1``'s representation at slot ``i``
+(depth 0: the main model's post-norm final hidden state) and predicts ``t_{i+d+1}``:
+
+    L = CE_main + λ/D · Σ_d CE_d
+
+- :class:`PostHocMTPRecipe`: MTP modules for a frozen target that has none (only the MTP loss).
+  ``eh_proj`` starts as ``[0 | I]``, so a module first echoes the target's own prediction. Saved as
+  ``model.layers.{L+d}.*`` plus the target's config with ``num_nextn_predict_layers``.
+- :class:`JointMTPRecipe`: a small DeepSeek-V3 (MLA + MoE) trained from scratch jointly with its
+  ``D`` modules, on offline text (``data.source: stdlib``, a BPE tokenizer trained on the training
+  files). Saved in the real DeepSeek-V3 layout: ``config.json`` with ``num_nextn_predict_layers``,
+  bf16 ``model.safetensors`` with the main model in transformers' layout plus the modules at
+  ``model.layers.{L}`` … ``{L+D-1}``, and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdec.drafters.mtp.checkpoint import save_mtp_checkpoint
+from specdec.drafters.mtp.drafter import build_mtp_modules
+from specdec.target import Target
+from specdec.training.data import Batch, TrainData, target_features
+from specdec.training.recipe import Recipe, StepOutput, head_rows
+
+__all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
+           "JointMTPRecipe", "TINY_DEEPSEEK_V3"]
+
+# Sized so that bf16 weights (main + 2 MTP modules) stay well under 30 MB: ~8.5M parameters.
+TINY_DEEPSEEK_V3: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+    n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+    q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    max_position_embeddings=2048, tie_word_embeddings=False, rope_interleave=True,
+)
+
+Fn = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class MTPLoss:
+    loss: Tensor
+    main_ce: float
+    mtp_ce: list[float]  # per depth
+    main_acc: float
+    mtp_acc: list[float]  # top-1 accuracy per depth
+
+
+def label_mask(batch: Batch) -> Tensor:
+    """Which tokens count as labels [B, T]: inside the row and in the response (all of plain text)."""
+    pos = torch.arange(batch.tokens.shape[1]).unsqueeze(0)
+    return (pos < batch.lengths.unsqueeze(1)) & (pos >= batch.response_start.unsqueeze(1))
+
+
+def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+    """Masked mean cross-entropy and top-1 accuracy of logits [B, n, V] against labels [B, n]."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
+    n = mask.sum().clamp(min=1)
+    return (ce * mask).sum() / n, float(((logits.argmax(-1) == labels) & mask).sum() / n)
+
+
+def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,
+             rotary: Callable[[Tensor, Tensor], Any], mask: Tensor, lam: float = 0.3,
+             main_logits: Tensor | None = None, chain_hidden: str = "normed") -> MTPLoss:
+    """DeepSeek-V3's main + MTP loss on ``tokens`` [B, T] whose post-norm final hidden state is
+    ``hidden`` [B, T, D]; ``mask`` [B, T] marks the tokens that count as labels. ``main_logits``
+    [B, T, V] adds the main CE (None: a frozen target, MTP loss only)."""
+    T, D = hidden.shape[1], len(modules)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    main_ce = main_acc = 0.0
+    if main_logits is not None:
+        ce, main_acc = _ce(main_logits[:, :-1], tokens[:, 1:], mask[:, 1:])
+        total, main_ce = total + ce, float(ce.detach())
+    prev, ces, accs = hidden, [], []
+    for d, module in enumerate(modules, start=1):
+        n = T - d - 1  # slots 0..T-d-2 have a label t_{i+d+1}
+        pos = torch.arange(d, d + n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
+        emb = embed(tokens[:, d: d + n])
+        residual, normed = module(emb, prev[:, :n], rotary(emb, pos), pos)  # no mask: causal
+        ce, acc = _ce(head(normed), tokens[:, d + 1: d + 1 + n], mask[:, d + 1: d + 1 + n])
+        ces.append(float(ce.detach()))
+        accs.append(acc)
+        total = total + lam / D * ce
+        prev = normed if chain_hidden == "normed" else residual
+    return MTPLoss(total, main_ce, ces, main_acc, accs)
+
+
+def _step_output(r: MTPLoss, joint: bool) -> StepOutput:
+    metrics: dict[str, Any] = {"mtp_ce": r.mtp_ce, "accept": r.mtp_acc}
+    if joint:
+        metrics.update(main_ce=r.main_ce, main_acc=r.main_acc)
+    return StepOutput(r.loss, metrics)
+
+
+@dataclass
+class PostHocMTPOptions:
+    depth: int = 1  # MTP modules D
+    lam: float = 0.3  # MTP loss weight λ
+
+
+class PostHocMTPRecipe(Recipe):
+    """MTP modules for a frozen target that has none."""
+
+    Options = PostHocMTPOptions
+    options: PostHocMTPOptions
+
+    def feature_key(self, target: Target) -> str:
+        return "final"
+
+    def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
+        return target_features(target, tokens, ())
+
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        assert target is not None, "post-hoc MTP trains for a target"
+        modules = build_mtp_modules(target.model, self.options.depth).float()
+        H = target.hidden_size
+        with torch.no_grad():  # warm start: x = hnorm(h), so the module first predicts what the target does
+            for m in modules:
+                m.eh_proj.weight.zero_()
+                m.eh_proj.weight[:, H:] = torch.eye(H)
+        self.target, self.head = target, head_rows(target)
+        return modules
+
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        assert isinstance(model, nn.ModuleList)
+        t = self.target
+        r = mtp_loss(batch.tokens, batch.features["final"].float(), model, lambda ids: t.embed(ids).float(),
+                     lambda h: F.linear(h, self.head), t.rotary, label_mask(batch), self.options.lam)
+        return _step_output(r, joint=False)
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        assert isinstance(model, nn.ModuleList)
+        cfg = self.target.config.to_dict()
+        cfg.update(num_nextn_predict_layers=self.options.depth)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_mtp_checkpoint(model, out / "model.safetensors", self.target.num_layers)
+
+
+@dataclass
+class JointMTPOptions:
+    depth: int = 2  # MTP modules D
+    lam: float = 0.3  # MTP loss weight λ (DeepSeek-V3: 0.3, then 0.1)
+    model: dict[str, Any] = field(default_factory=lambda: dict(TINY_DEEPSEEK_V3))  # DeepseekV3Config fields
+
+
+class JointMTPRecipe(Recipe):
+    """A DeepSeek-V3 trained from scratch with its own MTP modules (``target: null``)."""
+
+    Options = JointMTPOptions
+    options: JointMTPOptions
+
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        tok = data.tokenizer
+        eos = tok.eos_token_id
+        config = DeepseekV3Config(vocab_size=len(tok), num_nextn_predict_layers=self.options.depth, bos_token_id=eos,
+                                  eos_token_id=eos, pad_token_id=eos, **self.options.model)
+        config._attn_implementation = "sdpa"
+        main = DeepseekV3ForCausalLM(config)
+        self.tokenizer, self.seam = tok, Target(main)  # the seam of the model being trained (embed, logits, rotary)
+        return nn.ModuleDict({"main": main, "mtp": build_mtp_modules(main, self.options.depth).float()})
+
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        assert isinstance(model, nn.ModuleDict)
+        main = model["main"]
+        hidden = main.get_decoder()(input_ids=batch.tokens).last_hidden_state  # post final norm, with grad
+        s = self.seam
+        r = mtp_loss(batch.tokens, hidden, model["mtp"], s.embed, s.logits, s.rotary, label_mask(batch),
+                     self.options.lam, main_logits=s.logits(hidden))
+        return _step_output(r, joint=True)
+
+    def save(self, model: nn.Module, out: Path) -> None:
+        from safetensors import safe_open
+
+        assert isinstance(model, nn.ModuleDict)
+        main = model["main"]
+        main.to(torch.bfloat16).save_pretrained(out)  # transformers writes the checkpoint layout
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        save_mtp_checkpoint(model["mtp"], out / "model.safetensors", main.config.num_hidden_layers, tensors)
+        self.tokenizer.save_pretrained(out)

@@ -1,0 +1,91 @@
+"""What a drafter family gives the trainer: its model builder, its loss and its checkpoint writer.
+
+A family's room holds one :class:`Recipe` subclass in ``drafters/<family>/train.py``; the run
+configuration names it by dotted path (``recipe: specdec.drafters.eagle3.train.Eagle3Recipe``) and
+fills its ``Options`` dataclass from ``options``. The trainer (:mod:`specdec.training.trainer`)
+owns everything else: data, optimiser, schedule, precision, resumption, evaluation and metadata.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from specdec.target import Target
+from specdec.training.data import Batch, TrainData
+
+__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows"]
+
+Metric = float | list[float]
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor  # scalar, what the optimiser minimises
+    metrics: dict[str, Metric]  # recorded figures: "accept" is the per-position acceptance estimate
+
+
+class Recipe(ABC):
+    """One drafter family's training: subclass it in the family's room and set ``Options``."""
+
+    Options: ClassVar[type]  # a dataclass of the recipe's own settings (unknown keys fail)
+
+    def __init__(self, options: Any):
+        self.options = options
+
+    def feature_key(self, target: Target) -> str | None:
+        """A name for what :meth:`featurize` computes on this target (the cache key); None: nothing."""
+        return None
+
+    def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
+        """The target features one batch of sequences needs, through the target's seam:
+        tokens [B, T] → {name: [B, T, ...]}. Computed once and cached, or per batch."""
+        return {}
+
+    @abstractmethod
+    def build(self, target: Target | None, data: TrainData) -> nn.Module:
+        """The trainable model, initialised (the trainer seeds the global RNG first); the
+        parameters that require grad are the ones trained. ``target`` is None when the recipe
+        trains a model of its own from scratch (``target: null`` in the config). The recipe may
+        keep on ``self`` what :meth:`loss` needs (the target, its LM-head rows ...); a resumed run
+        calls ``build`` again on the same data, so that must be a function of it."""
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
+        """The loss of one batch; random draws (anchors ...) come from ``gen`` only. The trainer
+        also calls it, under ``no_grad`` with ``model.training`` False, for the held-out figures."""
+
+    def finish(self, model: nn.Module, data: TrainData, gen: torch.Generator) -> dict[str, Any]:
+        """After the last step, before saving (e.g. calibrating on held-out data); figures to record."""
+        return {}
+
+    @abstractmethod
+    def save(self, model: nn.Module, out: Path) -> None:
+        """Write the checkpoint the family's drafter loads with its ``create(checkpoint=out)``."""
+
+
+def load_recipe(path: str, options: dict[str, Any]) -> Recipe:
+    """The recipe class at dotted ``path`` (``package.module.Class``), built with its options."""
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"recipe must be a dotted path package.module.Class, got {path!r}")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise ValueError(f"{path} is not a Recipe subclass")
+    return cls(cls.Options(**options))
+
+
+def head_rows(target: Target, ids: Tensor | None = None) -> Tensor:
+    """The target's LM-head rows for token ``ids`` (all when None), float32 [S, D]: ``hidden @ rows.T``
+    is the target's logits over those tokens at a fraction of the full head's cost. Targets whose
+    logits go through more than the head (soft-capping) are refused."""
+    if getattr(target.text_config, "final_logit_softcapping", None):
+        raise ValueError("this target soft-caps its logits: a restricted LM head would not give them")
+    w = target.lm_head.weight.detach()
+    return (w if ids is None else w[ids]).float()

@@ -1,0 +1,374 @@
+"""The one trainer: its schedule, bit-identical resumption, the one data pipeline and held-out rule,
+every recipe end to end on tiny targets (two steps, a checkpoint the drafter's own ``create()``
+loads), the metadata file, the Hydra configs and entry point, and (slow) self-distillation on SmolLM2.
+
+The training-equals-inference checks of each loss live beside their drafters' tests
+(``test_eagle3.py``: TTT steps equal chain drafting; ``test_dflash.py``: training blocks equal the
+drafter's block pass); the MTP one is here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec
+from specdec.drafters import DRAFTERS
+from specdec.eval.config import DatasetConfig
+from specdec.eval.datasets import load_dataset
+from specdec.loop import Request, run
+from specdec.target import Target
+from specdec.testing import assert_greedy_equivalent, greedy_reference
+from specdec.testing.tiny import tiny_model
+from specdec.training.config import DataConfig, OptimConfig, TrainConfig
+from specdec.training.data import (
+    HELD_OUT,
+    TokenSeq,
+    held_out,
+    load_data,
+    load_sequences,
+    save_sequences,
+    self_distill,
+    target_features,
+    training_conversations,
+)
+from specdec.training.recipe import load_recipe
+from specdec.training.text import stdlib_files
+from specdec.training.trainer import RECORD_FILE, STATE_FILE, TrainingRecord, lr_at, train
+from specdec.verifiers import GreedyVerifier
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "experiments" / "conf" / "train"
+CHECKPOINTS = ROOT / "experiments" / "checkpoints"
+V = 32
+TINY_DEEPSEEK = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+# every recipe, small: (registry name, recipe path, options)
+RECIPES = {
+    "eagle3": ("specdec.drafters.eagle3.train.Eagle3Recipe", dict(layer_ids=[0, 1, 2], draft_vocab=24, anchors=4)),
+    "dflash": ("specdec.drafters.dflash.train.DFlashRecipe", dict(layers=1, intermediate=32, features=2, block=4,
+                                                                  anchors=4)),
+    "dspark": ("specdec.drafters.dspark.train.DSparkRecipe", dict(layers=1, intermediate=32, features=2, block=4,
+                                                                  anchors=4, markov_rank=4)),
+    "gemma_mtp": ("specdec.drafters.gemma_mtp.train.GemmaMTPRecipe", dict(hidden=16, intermediate=32, anchors=4)),
+    "mtp": ("specdec.drafters.mtp.train.PostHocMTPRecipe", dict(depth=2)),
+}
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch) -> Path:
+    """A private cache folder (distilled data, features) for the test."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> Target:
+    return Target(tiny_model("llama", vocab_size=V, init_scale=0.3, seed=0))
+
+
+def random_data(path: Path, n: int = 24, seed: int = 0) -> Path:
+    """``n`` sequences of random tokens with a 5-token prompt each, stored as a data set file."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(12, 24, (n,), generator=g).tolist()
+    save_sequences(path, [TokenSeq(torch.randint(0, V - 1, (t,), generator=g), 5) for t in lengths])
+    return path
+
+
+def tiny_config(tmp_path: Path, name: str, **changes) -> TrainConfig:
+    recipe, options = RECIPES[name]
+    data = DataConfig(path=str(random_data(tmp_path / "data.safetensors")), held_out_every=4, feature_dtype="float32")
+    cfg = dict(recipe=recipe, options=options, out=str(tmp_path / "out"), work=str(tmp_path / "work"), data=data,
+               optim=OptimConfig(steps=2, batch=2), log_every=1, progress=False)
+    return TrainConfig(**{**cfg, **changes})
+
+
+# --- the schedule --------------------------------------------------------------------------------
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine_to_the_floor():
+    steps, peak = 100, 2e-3
+    lrs = [lr_at(s, steps, peak, warmup=0.1, floor=0.1) for s in range(steps)]
+    assert lrs[:10] == pytest.approx([peak * (s + 1) / 10 for s in range(10)])
+    assert lrs[9] == pytest.approx(peak) and lrs[-1] == pytest.approx(0.1 * peak)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # never rises after the warm-up
+    mid = 10 + (steps - 1 - 10) / 2  # half way through the cosine: half way down
+    assert lr_at(int(mid), steps, peak, 0.1, 0.0) == pytest.approx(peak / 2, rel=0.02)
+    assert lr_at(0, 10, 1.0, warmup=0.0, floor=0.0) == 1.0  # no warm-up still starts at the peak
+
+
+def test_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="recipe"):
+        TrainConfig(out="x")
+    with pytest.raises(ValueError, match="stop_after"):
+        OptimConfig(steps=10, stop_after=11)
+    with pytest.raises(ValueError, match="warmup"):
+        OptimConfig(warmup=2)
+    with pytest.raises(ValueError, match="source"):
+        DataConfig(source="web")
+    with pytest.raises(ValueError, match="not a Recipe"):
+        load_recipe("specdec.training.trainer.TrainResult", {})
+    with pytest.raises(TypeError):  # unknown options fail
+        load_recipe(RECIPES["eagle3"][0], {"draft_vocabulary": 8})
+
+
+# --- data: one pipeline, one held-out rule -------------------------------------------------------------
+
+def test_benchmark_items_are_held_out():
+    texts = {m[0]["content"] for m in training_conversations(300)}
+    held = load_dataset(DatasetConfig(name="mtbench", num_prompts=HELD_OUT["mtbench"], turns=2))
+    held_code = load_dataset(DatasetConfig(name="humaneval", num_prompts=HELD_OUT["humaneval"]))
+    assert not texts & {t for s in held for t in s.turns}
+    assert not texts & {s.turns[0] for s in held_code}
+    later = load_dataset(DatasetConfig(name="humaneval", num_prompts=164))[HELD_OUT["humaneval"]:]
+    assert texts & {s.turns[0] for s in later}  # the rest is used
+
+
+def test_conversations_are_seeded():
+    assert training_conversations(20, seed=1) == training_conversations(20, seed=1)
+    assert training_conversations(20, seed=1) != training_conversations(20, seed=2)
+    with pytest.raises(ValueError, match="offline prompts"):
+        training_conversations(10**7)
+
+
+def test_held_out_rule_is_by_item_and_stable_as_the_data_grows(tmp_path, cache):
+    names = [f"item-{i}" for i in range(2000)]
+    marked = [n for n in names if held_out(n, 20)]
+    assert 60 < len(marked) < 140  # about one in 20
+    # the standard-library split is the same rule on file names (the tiny DeepSeek-V3's held-out files)
+    train, held = stdlib_files("train"), stdlib_files("heldout")
+    assert held and not set(train) & set(held) and all(held_out(f.name, 20) for f in held)
+    # distilled sequences: held out by their prompt, the same ones whatever else is in the data set
+    seqs = load_sequences(random_data(tmp_path / "all.safetensors", n=80))
+    save_sequences(tmp_path / "a.safetensors", seqs[:40])
+    save_sequences(tmp_path / "b.safetensors", seqs[::-1])  # grown, in another order
+    cfg = DataConfig(path=str(tmp_path / "a.safetensors"), held_out_every=4)
+    small, grown = load_data(cfg, None), load_data(DataConfig(path=str(tmp_path / "b.safetensors"), held_out_every=4), None)
+    key = lambda s: tuple(s.tokens.tolist())  # noqa: E731
+    assert small.held and small.train and not {key(s) for s in small.held} & {key(s) for s in small.train}
+    assert {key(s) for s in small.held} <= {key(s) for s in grown.held}
+    assert {key(s) for s in small.train} <= {key(s) for s in grown.train}
+    assert len(load_data(DataConfig(path=cfg.path, held_out_every=4, use=10), None).train) <= 10
+
+
+def test_batches_are_a_function_of_the_step_and_features_cached_or_not_agree(tiny_target, tmp_path, cache):
+    path = random_data(tmp_path / "d.safetensors")
+    featurize = lambda tokens: target_features(tiny_target, tokens, (0, 2))  # noqa: E731
+    cached = load_data(DataConfig(path=str(path), held_out_every=4, feature_dtype="float32"), tiny_target,
+                       featurize, "inputs0_2-final")
+    fly = load_data(DataConfig(path=str(path), held_out_every=4, feature_dtype="float32", cache_features=False),
+                    tiny_target, featurize, "inputs0_2-final")
+    assert list((cache / "features").glob("inputs0_2-final-*.safetensors"))
+    n = len(cached.train)
+    idx = cached.indices(0, 3 * n, seed=5)
+    assert sorted(idx[:n]) == list(range(n)) and sorted(idx[n: 2 * n]) == list(range(n))  # epochs
+    assert idx[:n] != idx[n: 2 * n] and cached.indices(n + 2, 4, seed=5) == idx[n + 2: n + 6]
+    a, b = cached.batch([cached.train[i] for i in idx[:3]]), fly.batch([fly.train[i] for i in idx[:3]])
+    assert torch.equal(a.tokens, b.tokens) and a.num_tokens == int(a.lengths.sum())
+    for name in ("features", "final"):
+        for r in range(3):  # real positions agree; padding is zero in the cached batch
+            m = int(a.lengths[r])
+            torch.testing.assert_close(a.features[name][r, :m], b.features[name][r, :m], atol=1e-5, rtol=1e-5)
+    hidden, final = tiny_target.features(a.tokens[:1, : int(a.lengths[0])], (0, 2))
+    torch.testing.assert_close(a.features["features"][0, : int(a.lengths[0])], torch.cat([hidden[0], hidden[2]], -1)[0])
+
+
+# --- the trainer ---------------------------------------------------------------------------------------
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_target, tmp_path, cache):
+    """Stopped after 2 of 5 steps and resumed (different folders), with gradient accumulation and
+    periodic held-out evaluation: the same weights, to the bit, and the same record of the run."""
+    optim = dict(steps=5, batch=2, accumulate=2, lr=5e-3)
+    whole = train(tiny_config(tmp_path / "a", "eagle3", optim=OptimConfig(**optim), eval_every=2), target=tiny_target)
+    part = tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**optim, stop_after=2), eval_every=2)
+    first = train(part, target=tiny_target)
+    assert (Path(part.work) / STATE_FILE).exists() and first.record.steps == 2
+    resumed = train(tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**optim), eval_every=2, resume=True),
+                    target=tiny_target)
+    a, b = whole.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["fc.weight"], first.model.state_dict()["fc.weight"])  # the resumed part trained
+    ra, rb = whole.record, resumed.record
+    assert (ra.steps, ra.tokens, ra.held_out) == (rb.steps, rb.tokens, rb.held_out)
+    assert ra.log == rb.log and [e["step"] for e in ra.log if "held_out" in e] == [2, 4, 5]
+    assert len(rb.parts) == 2 and rb.parts[0]["steps"] == [0, 2] and rb.parts[1]["steps"] == [2, 5]
+    with pytest.raises(ValueError, match="other settings"):
+        train(tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**{**optim, "lr": 1e-3}), resume=True),
+              target=tiny_target)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_trains_and_its_checkpoint_loads_in_its_drafter(name, tiny_target, tmp_path, cache):
+    cfg = tiny_config(tmp_path, name, optim=OptimConfig(steps=2, batch=2, bf16=name == "eagle3"))
+    result = train(cfg, command="python experiments/train.py test", target=tiny_target)
+    assert result.record.steps == 2 and result.record.tokens > 0
+    assert result.record.held_out["accept"] and result.record.held_out["loss"] > 0
+    drafter = DRAFTERS[name].create(tiny_target, checkpoint=cfg.out)
+    prompt = [1, 2, 3, 4, 5]
+    res = run(tiny_target, drafter, GreedyVerifier(), [Request(prompt, 8)], k=2, eos_token_ids=set())
+    ref, logits = greedy_reference(tiny_target.model, prompt, 8)
+    assert_greedy_equivalent(res.requests[0].tokens, ref, logits)
+
+
+def test_a_model_trained_from_scratch_with_its_mtp_modules_loads_as_a_target(tmp_path, cache):
+    cfg = TrainConfig(recipe="specdec.drafters.mtp.train.JointMTPRecipe", options=dict(depth=2, model=TINY_DEEPSEEK),
+                      target=None, out=str(tmp_path / "out"), work=str(tmp_path / "work"), eval_sequences=4,
+                      data=DataConfig(source="stdlib", window=33, vocab_size=300, max_files=1, use=16),
+                      optim=OptimConfig(steps=2, batch=2), progress=False)
+    result = train(cfg)
+    assert {"main_ce", "main_acc", "accept"} <= set(result.record.held_out)
+    target = specdec.load_target(cfg.out)
+    assert target.vocab_size == 300 and target.config.num_nextn_predict_layers == 2
+    drafter = DRAFTERS["mtp"].create(target)
+    prompt = target.tokenizer.encode("def f(x):\n    return")
+    res = run(target, drafter, GreedyVerifier(), [Request(prompt, 6)], k=2, eos_token_ids=set())
+    ref, logits = greedy_reference(target.model, prompt, 6)
+    assert_greedy_equivalent(res.requests[0].tokens, ref, logits)
+
+
+def test_mtp_training_logits_are_the_drafters(tiny_target):
+    """Depth 1 of the MTP loss at the last prompt slot computes the distribution the drafter drew
+    its first token from, right after the prefill (sampled at temperature 1, so q is those logits'
+    softmax)."""
+    from specdec.drafters.mtp.train import mtp_loss
+    from specdec.sampling import SamplingParams
+    from specdec.testing import Recording
+    from specdec.verifiers import RejectionVerifier
+
+    drafter = DRAFTERS["mtp"].tiny(tiny_target, depth=1)
+    prompt = [3, 1, 4, 1, 5, 9]
+    rec = Recording(drafter)
+    run(tiny_target, rec, RejectionVerifier(), [Request(prompt, 2, SamplingParams(temperature=1.0, seed=0))], k=1,
+        eos_token_ids=set())
+    nxt = int(rec.anchors[0])  # the token the target sampled after the prompt
+    tokens = torch.tensor([prompt + [nxt, 0]])
+    final = target_features(tiny_target, tokens, ())["final"]
+    seen: list[torch.Tensor] = []
+    mtp_loss(tokens, final, drafter.modules, tiny_target.embed, lambda h: seen.append(h) or tiny_target.logits(h),
+             tiny_target.rotary, torch.ones_like(tokens, dtype=torch.bool))
+    logits = tiny_target.logits(seen[0])[0, len(prompt) - 1]  # slot i = len-1 reads emb(t_{i+1}) = nxt
+    q = rec.proposals[0].q
+    assert q is not None
+    torch.testing.assert_close(q[0, 0], logits.softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
+    cfg = tiny_config(tmp_path, "dspark")
+    result = train(cfg, command="python experiments/train.py --config-name smollm2_dspark optim.steps=2",
+                   target=tiny_target)
+    info = json.loads((Path(cfg.out) / RECORD_FILE).read_text())
+    assert info["command"] == "python experiments/train.py --config-name smollm2_dspark optim.steps=2"
+    assert info["revision"] == specdec.provenance.git_sha() and isinstance(info["dirty"], bool)
+    assert info["config"] == json.loads(json.dumps(asdict(cfg))) and info["steps"] == 2
+    data = load_data(cfg.data, None)
+    assert 0 < info["response_tokens"] < info["tokens"] <= 2 * 2 * max(s.tokens.numel() for s in data.train)
+    assert info["wall_seconds"] > 0 and {"torch", "transformers", "python"} <= set(info["versions"])
+    assert len(info["held_out"]["accept"]) == 4 and {"ce", "l1", "bce"} <= set(info["held_out"])
+    assert len(info["extra"]["confidence_temperatures"]) == 4  # DSpark's calibration, also in its config
+    assert json.loads((Path(cfg.out) / "config.json").read_text())["confidence_temperatures"] == \
+        info["extra"]["confidence_temperatures"]
+    assert [(e["step"], "held_out" in e) for e in info["log"]] == [(1, False), (2, False), (2, True)]
+    assert info["log"][-1]["held_out"] == info["held_out"] and info["log"][1]["lr"] > 0
+    assert TrainingRecord.read(cfg.out) == result.record
+
+
+# --- the Hydra entry point -----------------------------------------------------------------------------
+
+def _entry():
+    """experiments/train.py as a module (importing it registers ``train_schema``)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("specdec_experiments_train", ROOT / "experiments" / "train.py")
+    assert spec is not None and spec.loader is not None
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    return entry
+
+
+def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
+    """``experiments/train.py --config-name <name> <overrides>``'s config, without running it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _entry()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return entry.to_train_config(compose(config_name=name, overrides=list(overrides)))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
+    names = sorted(p.stem for p in CONF.glob("*.yaml"))
+    assert names == ["smollm2_dflash", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
+                     "tiny_deepseek_v3_mtp"]
+    for name in names:
+        cfg = compose_train(name)
+        recipe = load_recipe(cfg.recipe, cfg.options)
+        assert cfg.out.startswith("experiments/checkpoints/") and type(recipe).__module__.startswith(
+            "specdec.drafters."), name
+    with pytest.raises(Exception, match="stepz"):
+        compose_train("smollm2_eagle3", ["optim.stepz=3"])
+
+
+@pytest.mark.parametrize("folder", sorted(p.name for p in CHECKPOINTS.iterdir()))
+def test_every_committed_checkpoint_records_how_it_was_made(folder):
+    """One ``training.json`` per checkpoint: the command that made it at a revision of this
+    repository, and the one trainer's command for the same recipe (which writes to this folder)."""
+    path = CHECKPOINTS / folder
+    assert sorted(p.name for p in path.glob("*.json") if p.name.startswith("train")) == [RECORD_FILE]
+    record = TrainingRecord.read(path)
+    assert record.steps > 0 and record.held_out["accept"] and record.config
+    assert subprocess.run(["git", "cat-file", "-e", f"{record.revision}^{{commit}}"], cwd=ROOT).returncode == 0
+    command = record.equivalent_command or record.command
+    prefix = "python experiments/train.py --config-name "
+    assert command.startswith(prefix) and (record.equivalent_command is None) == record.command.startswith(prefix)
+    name, *overrides = shlex.split(command[len(prefix):])
+    assert compose_train(name, overrides).out == f"experiments/checkpoints/{folder}"
+
+
+def test_entry_point_trains_and_records_its_command(tmp_path):
+    path = random_data(tmp_path / "d.safetensors")
+    args = ["experiments/train.py", "--config-name", "smollm2_eagle3", "target.model=tiny", f"data.path={path}", "data.held_out_every=4", "options.draft_vocab=16", "options.layer_ids=[0,1,2]",
+            "optim.steps=2", f"out={tmp_path / 'out'}", f"work={tmp_path / 'work'}"]
+    env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = TrainingRecord.read(tmp_path / "out")
+    assert record.command == shlex.join(["python", *args])
+    assert record.config["target"]["model"] == "tiny" and record.steps == 2
+    assert (tmp_path / "work" / "train.log").exists()  # Hydra's log beside the resumable state
+    assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
+
+
+# --- slow: the real target -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path):
+    path = tmp_path / "d.safetensors"
+    seqs = self_distill(smollm2, 3, max_new_tokens=6, batch=2, path=path)
+    assert path.exists() and len(seqs) == 3
+    for s in seqs:
+        prompt = s.tokens[: s.response_start].tolist()
+        ref, logits = greedy_reference(smollm2.model, prompt, 6)
+        ours = s.tokens[s.response_start:].tolist()
+        assert_greedy_equivalent(ours, ref[: len(ours)], logits)
+        assert len(ours) == 6 or ours[-1] in smollm2.eos_token_ids
+    again = load_sequences(path)
+    assert all(torch.equal(a.tokens, b.tokens) and a.response_start == b.response_start for a, b in zip(seqs, again))
+
+    f = target_features(smollm2, seqs[0].tokens[None], [0, 2])
+    out = smollm2.model(input_ids=seqs[0].tokens[None], output_hidden_states=True)
+    D = smollm2.hidden_size
+    torch.testing.assert_close(f["features"][0, :, D:], out.hidden_states[2][0])
+    torch.testing.assert_close(smollm2.logits(f["final"])[0], out.logits[0])
