@@ -65,7 +65,8 @@ class Case:
 CASES: dict[str, Case] = {
     "smollm2-135m-dflash": Case("dflash", floor=1.03, first_floor=0.03),  # 1.07, 0.07
     "smollm2-135m-dspark": Case("dspark", floor=1.06, first_floor=0.06),  # 1.13, 0.13
-    "smollm2-135m-eagle3": Case("eagle3", floor=1.4, options=dict(tree="dynamic", tree_top_k=4, tree_budget=16)),  # 1.63
+    "smollm2-135m-eagle3": Case("eagle3", floor=1.4,  # 1.63
+                                options=dict(tree="dynamic", tree_top_k=4, tree_budget=16)),
     "smollm2-135m-gemma-mtp": Case("gemma_mtp", floor=1.06),  # 1.13
     "smollm2-135m-mtp": Case("mtp", floor=1.15, prompts=heldout_prompts),  # 1.34
     "tiny-deepseek-v3-mtp": Case("mtp", floor=2.2, on_smollm2=False, options=dict(policy="cycle"),
