@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test bench-ngram sweep-ngram sweep-drafters
+.PHONY: setup demo test test-fast test-slow bench-ngram sweep-ngram sweep-drafters
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/specdec-demo
 
-test: setup
-	$(VENV)/bin/pytest -q
+# Two tiers (docs/testing.md); `make test` (CI) runs both, the fast one first. A tier that selects
+# no test fails (pytest exits 5).
+test: test-fast test-slow
+
+# Unit tests and the conformance suite on tiny random targets.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" --durations=5
+
+# The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints.
+test-slow: setup
+	$(VENV)/bin/pytest -q -m slow --durations=5
 
 bench-ngram: setup
 	$(PY) experiments/bench_ngram.py
