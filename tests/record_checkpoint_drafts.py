@@ -28,7 +28,7 @@ def record(name: str) -> dict:
     s = summarize([r.metrics for r in res.requests])
     print(f"{name}: mean accepted length {s['mean_accepted_length']:.3f}, acceptance by depth "
           f"{[round(a, 3) for a in s['acceptance_at']]}")
-    return {"settings": settings(folder, case), "prompts": prompts, "drafts": drafts,
+    return {"settings": settings(case), "prompts": prompts, "drafts": drafts,
             "output": [r.tokens for r in res.requests],
             "measured": {"mean_accepted_length": s["mean_accepted_length"], "acceptance_at": s["acceptance_at"]}}
 
