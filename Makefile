@@ -12,7 +12,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
 BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp
 
-.PHONY: setup demo test sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
+.PHONY: setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -29,8 +29,17 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/specdec-demo
 
-test: setup
-	$(VENV)/bin/pytest -q
+# Two tiers (docs/testing.md); `make test` (CI) runs both, the fast one first. A tier that selects
+# no test fails (pytest exits 5).
+test: test-fast test-slow
+
+# Unit tests and the conformance suite on tiny random targets.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" --durations=5
+
+# The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints.
+test-slow: setup
+	$(VENV)/bin/pytest -q -m slow --durations=5
 
 # One benchmark preset (every job of its sweep), then its report with per-request tables (in multirun/bench_<name>/)
 $(addprefix bench-,$(BENCHES)): bench-%: setup

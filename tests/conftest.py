@@ -4,6 +4,11 @@ Every drafter in the registry is built with its own ``tiny(target)`` factory; a 
 drafter without one fails the suite (it is an abstract method), it is never skipped. Extra cases
 cover behaviours random tiny weights cannot reach: a draft model equal to the target (everything
 accepted) and adversarial random chains and trees with every sibling-sampling mode.
+
+Two tiers (docs/testing.md): ``-m "not slow"`` runs the unit tests and the conformance suite on
+tiny random targets; ``-m slow`` the real SmolLM2-135M, the notebook, kernel compilation and the
+committed SmolLM2 checkpoints. A test that asks for the real model must be marked slow (checked at
+collection), so the fast tier never loads it.
 """
 
 from __future__ import annotations
@@ -57,6 +62,13 @@ def target() -> Target:
 @pytest.fixture(params=sorted(CASES))
 def drafter_case(request, target):
     return request.param, CASES[request.param](target)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = [i.nodeid for i in items
+                if "smollm2" in getattr(i, "fixturenames", ()) and not i.get_closest_marker("slow")]
+    if unmarked:
+        raise pytest.UsageError(f"tests using the real SmolLM2 must be marked slow: {unmarked}")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import specdec
 from specdec import SamplingParams
 from specdec.loop import Request, run
-from specdec.testing import assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
+from specdec.testing import Recording, assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
 from specdec.verifiers import GreedyVerifier, RejectionVerifier, TypicalVerifier
 
 
@@ -25,6 +25,7 @@ SETTINGS = [
     SamplingParams(temperature=1.3, top_p=0.8),
 ]
 PROMPT = [1, 2, 3, 4]
+OTHER = [3, 1, 4, 1, 5]  # its greedy continuation never meets PROMPT's third greedy token (the EOS test)
 
 prompts_st = st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), min_size=1, max_size=3)
 
@@ -87,11 +88,16 @@ def test_sampling_is_not_greedy(target):
 # --- q-contract -------------------------------------------------------------------------------
 @pytest.mark.parametrize("sampling", SETTINGS[:2], ids=["t1", "t0.7-topk5"])
 def test_q_is_the_distribution_sampled_from(drafter_case, target, sampling):
+    """Every row drafts from one state (the prefill's argmax is every row's anchor), so node 0's group
+    holds all rows: a sampling drafter gets a χ² test of node 0 at least, and q_contract checks that a
+    deterministic one (q None) drafts the same tokens in every row."""
     _, drafter = drafter_case
-    r = q_contract(target, drafter, PROMPT, sampling, n_samples=4000)
-    if r.pvalues:
-        worst = min(zip(r.pvalues, r.tests))
-        assert worst[0] > ALPHA / (len(r.pvalues) * 2), f"q is not what was sampled: {worst[1]} p={worst[0]:.2e}"
+    rec = Recording(drafter)
+    r = q_contract(target, rec, PROMPT, sampling, n_samples=4000)
+    assert rec.anchors.unique().numel() == 1, "rows start from different states: node 0 would not be tested"
+    assert bool(r.pvalues) == (rec.proposals[0].q is not None), r.tests
+    assert all(p > ALPHA / (len(r.pvalues) * 2) for p in r.pvalues), (
+        "q is not what was sampled: {1} p={0:.2e}".format(*min(zip(r.pvalues, r.tests))))
 
 
 def test_q_contract_catches_a_lying_drafter(target):
@@ -127,13 +133,14 @@ def test_eos_mid_draft_stops_only_that_row(target):
     ref, _ = greedy_reference(target.model, PROMPT, 12)
     eos = ref[2]
     stop = ref.index(eos)
-    res = run(target, drafter, GreedyVerifier(), [Request(PROMPT, 12), Request([7, 7, 7], 12)], k=5,
+    res = run(target, drafter, GreedyVerifier(), [Request(PROMPT, 12), Request(OTHER, 12)], k=5,
               eos_token_ids={eos})
     assert res.requests[0].tokens == ref[: stop + 1]
     assert res.requests[0].metrics.finish_reason == "eos"
-    other_ref, _ = greedy_reference(target.model, [7, 7, 7], 12)
-    cut = other_ref.index(eos) + 1 if eos in other_ref else 12
-    assert res.requests[1].tokens == other_ref[:cut]
+    assert 0 < stop and res.requests[0].metrics.steps == 1  # EOS came inside the first draft, not from the prefill
+    other_ref, _ = greedy_reference(target.model, OTHER, 12)
+    assert eos not in other_ref  # the other row never meets EOS: it must run to its length
+    assert res.requests[1].tokens == other_ref and res.requests[1].metrics.finish_reason == "length"
 
 
 def test_all_accepted_and_none_accepted(target):
@@ -150,10 +157,10 @@ def test_all_accepted_and_none_accepted(target):
 
     target_argmax_never_31 = Wrong.create(target, siblings="deterministic")
     ref, _ = greedy_reference(target.model, PROMPT, 8)
-    if 31 not in ref:
-        res = run(target, target_argmax_never_31, GreedyVerifier(), [Request(PROMPT, 8)], k=3, eos_token_ids=set())
-        assert res.requests[0].tokens == ref
-        assert res.requests[0].metrics.accepted == 0
+    assert 31 not in ref  # so no draft can be right
+    res = run(target, target_argmax_never_31, GreedyVerifier(), [Request(PROMPT, 8)], k=3, eos_token_ids=set())
+    assert res.requests[0].tokens == ref
+    assert res.requests[0].metrics.accepted == 0 and res.requests[0].metrics.steps == 7
 
 
 def test_num_valid_shorter_than_n(target):

@@ -1,18 +1,16 @@
 """The EAGLE-3 drafter: feature layers and shapes, the reduced vocabulary (exact q over the full
 vocabulary), static and dynamic tree structure, the draft cache after acceptance, training-time
-test against decoding, checkpoint interchange (speculators round trip, SafeAILab layout), bad
-input, and (slow) the committed SmolLM2 checkpoint being accepted."""
+test against decoding, checkpoint interchange (speculators round trip, SafeAILab layout) and bad
+input (the committed SmolLM2 checkpoint: tests/test_checkpoints.py)."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-import specdec
 from specdec import SamplingParams
 from specdec.training.data import FeatureSeq
 from specdec.drafters.eagle3.drafter import Eagle3Config, Eagle3Drafter
@@ -28,7 +26,6 @@ from specdec.drafters.eagle3.train import ttt_loss
 from specdec.types import node_depths
 from specdec.verifiers import GreedyVerifier, RejectionVerifier
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "experiments" / "checkpoints" / "smollm2-135m-eagle3"
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 3]]
 
 
@@ -317,28 +314,3 @@ def test_bad_input_errors(target, deep_target, tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="pickled"):
         load_eagle3(tmp_path)
-
-
-# --- the committed SmolLM2 drafter ---------------------------------------------------------------------
-@pytest.mark.slow
-def test_trained_eagle3_for_smollm2_is_accepted(smollm2):
-    """The committed drafter (experiments/conf/train/smollm2_eagle3.yaml) against the same head re-initialised at
-    random, on a dynamic tree (top-4, 16 nodes, depth 5): measured mean accepted length 1.61 on
-    these prompts (chain k=3: 1.25), the random head 1.0."""
-    prompts = ["Write a short story about a cat who learns to fly.", "Explain how a rainbow forms."]
-    options = dict(tree="dynamic", tree_top_k=4, tree_budget=16)
-    trained = specdec.make_drafter("eagle3", smollm2, checkpoint=str(CHECKPOINT), **options)
-    untrained = load_eagle3(CHECKPOINT, smollm2.num_layers)
-    torch.manual_seed(0)
-    for m in untrained.modules():
-        if isinstance(m, torch.nn.Linear):
-            m.reset_parameters()
-    random_head = Eagle3Drafter(untrained, Eagle3Config(**options))
-    random_head.bind(smollm2)
-    ref = specdec.generate(smollm2, prompts, None, max_new_tokens=48, chat=True, verifier="greedy")
-    lengths = []
-    for d in (trained, random_head):
-        out = specdec.generate(smollm2, prompts, d, k=5, max_new_tokens=48, chat=True, verifier="greedy")
-        assert out.tokens == ref.tokens
-        lengths.append(out.summary["mean_accepted_length"])
-    assert lengths[0] > 1.4 and lengths[0] > lengths[1] + 0.3, lengths

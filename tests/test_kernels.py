@@ -243,6 +243,7 @@ def test_greedy_equivalence_through_kernels(kernels_on, target, case, verifier):
     ("random[chain,iid]", SamplingParams(temperature=1.0), RejectionVerifier(in_kernel_temperature=True)),
     ("random[tree,iid]", SamplingParams(temperature=0.7, top_k=5), RejectionVerifier()),
 ], ids=["chain-t1-in_kernel_temperature", "tree-t0.7-topk5-warped_probs"])
+@pytest.mark.slow  # the interpreter runs one program per row: the longest tests of the suite
 def test_sampled_matches_target_distribution_through_kernels(kernels_on, target, case, sampling, verifier):
     """Small samples (the interpreter runs one program per row): weak power, but any systematic
     error of the kernel path (a wrong residual, an off-by-one race) fails at these sizes."""
@@ -284,6 +285,7 @@ def test_benchmark_smoke_runs():
     assert "| B |" in out.stdout and "backend" in out.stdout
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_mi300x_without_a_gpu():
     """Triton compiles ahead of time for a named target: every kernel type-checks, lowers and
     assembles for gfx942 with its AMD tuning knobs (the interpreter alone would not catch a

