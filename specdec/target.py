@@ -143,23 +143,16 @@ class Target:
             return rotary_emb(x, positions, layer_type=layer_type)
         return rotary_emb(x, positions)
 
-    def new_layer(self, config, layer_idx: int, init: bool = True) -> nn.Module:
+    def new_layer(self, config, layer_idx: int) -> nn.Module:
         """A new decoder layer of the target's family built from ``config`` (MTP modules are the
-        target's own layer type), initialised as the model initialises its own; ``init=False``
-        leaves torch's construction-time init for a caller that runs :meth:`init_weights` once
-        over a whole tree of modules. Run it with :meth:`kv_cache` of a store as its ``cache``."""
-        layer = type(self.layers[-1])(config, layer_idx)
-        if init:
-            self.init_weights(layer)
-        return layer
+        target's own layer type), as its constructor leaves it: :meth:`init_weights` initialises it
+        (once, over the whole module tree that holds it). It takes :meth:`kv_cache` as its ``cache``."""
+        return type(self.layers[-1])(config, layer_idx)
 
-    def new_norm(self, size: int, eps: float, init: bool = True) -> nn.Module:
-        """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...);
-        ``init`` as in :meth:`new_layer`."""
-        norm = type(self.final_norm)(size, eps=eps)
-        if init:
-            self.init_weights(norm)
-        return norm
+    def new_norm(self, size: int, eps: float) -> nn.Module:
+        """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...), as its
+        constructor leaves it (see :meth:`new_layer`)."""
+        return type(self.final_norm)(size, eps=eps)
 
     def new_store(self, batch: int, num_layers: int | None = None) -> KVStore:
         """A ragged KV store whose masks follow the target's layer types and sliding window;

@@ -132,8 +132,8 @@ def build_mtp_modules(target: Target, depth: int) -> nn.ModuleList:
     cfg = mtp_block_config(target.text_config, depth)
     eps = getattr(cfg, "rms_norm_eps", 1e-6)
     modules = nn.ModuleList([
-        MTPModule(target.new_layer(cfg, d, init=False), lambda: target.new_norm(cfg.hidden_size, eps, init=False),
-                  cfg.hidden_size) for d in range(depth)])
+        MTPModule(target.new_layer(cfg, d), lambda: target.new_norm(cfg.hidden_size, eps), cfg.hidden_size)
+        for d in range(depth)])
     for m in modules:
         target.init_weights(m)
     return modules.to(dtype=target.dtype)
