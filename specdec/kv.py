@@ -149,9 +149,11 @@ class KVStore:
         if self._pending is None or keys.shape[2] != self._pending.shape[1]:
             raise RuntimeError("write() the K/V of exactly the planned block")
         S, end = self.num_slots, self.num_slots + keys.shape[2]
-        if self._keys[i] is None:
-            self._keys[i] = keys.new_zeros(*keys.shape[:2], self.capacity, keys.shape[3])
-            self._values[i] = values.new_zeros(*values.shape[:2], self.capacity, values.shape[3])
+        if self._keys[i] is None:  # buffers are uninitialised: a layer must write every block from the first
+            if S:
+                raise RuntimeError(f"layer {i} wrote nothing for the first {S} slots")
+            self._keys[i] = keys.new_empty(*keys.shape[:2], self.capacity, keys.shape[3])
+            self._values[i] = values.new_empty(*values.shape[:2], self.capacity, values.shape[3])
         k, v = self._keys[i], self._values[i]
         assert k is not None and v is not None
         k[:, :, S:end] = keys
@@ -174,21 +176,21 @@ class KVStore:
         """Grow every buffer to hold ``slots`` slots, in whole blocks (no-op when they fit)."""
         if slots <= self.capacity:
             return
-        cap = -(-slots // self.block) * self.block
-        S = self.num_slots
-        self._valid = self._grown(self._valid, 1, cap, S)
-        self._slot_pos = self._grown(self._slot_pos, 1, cap, S)
-        self._keys = [None if k is None else self._grown(k, 2, cap, S) for k in self._keys]
-        self._values = [None if v is None else self._grown(v, 2, cap, S) for v in self._values]
+        self._move(-(-slots // self.block) * self.block)
 
-    @staticmethod
-    def _grown(x: Tensor, dim: int, cap: int, used: int) -> Tensor:
-        """A new buffer of ``cap`` slots along ``dim`` holding ``x``'s first ``used`` slots."""
-        shape = list(x.shape)
-        shape[dim] = cap
-        out = x.new_zeros(shape)
-        out.narrow(dim, 0, used).copy_(x.narrow(dim, 0, used))
-        return out
+    def _move(self, capacity: int, rows: Tensor | None = None) -> None:
+        """Reallocate every buffer with ``capacity`` slots, keeping the used slots (of ``rows`` only,
+        when given); slots past them stay uninitialised: they are written before they are read."""
+        def moved(x: Tensor, dim: int) -> Tensor:
+            used = x.narrow(dim, 0, self.num_slots)
+            used = used if rows is None else used[rows]
+            out = x.new_empty(*used.shape[:dim], capacity, *used.shape[dim + 1:])
+            out.narrow(dim, 0, self.num_slots).copy_(used)
+            return out
+
+        self._valid, self._slot_pos = moved(self._valid, 1), moved(self._slot_pos, 1)
+        self._keys = [None if k is None else moved(k, 2) for k in self._keys]
+        self._values = [None if v is None else moved(v, 2) for v in self._values]
 
     # --- between steps ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -221,6 +223,5 @@ class KVStore:
     @torch.inference_mode()
     def select_rows(self, rows: Tensor) -> None:
         """Keep only the given batch rows (retire finished requests)."""
-        self._keys = [None if k is None else k[rows] for k in self._keys]
-        self._values = [None if v is None else v[rows] for v in self._values]
-        self._valid, self._slot_pos, self.lengths = self._valid[rows], self._slot_pos[rows], self.lengths[rows]
+        self._move(self.capacity, rows)
+        self.lengths = self.lengths[rows]

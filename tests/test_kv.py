@@ -93,6 +93,18 @@ def test_reads_are_views_over_the_used_slots():
         KVStore(B, "cpu", torch.float32, num_layers=2).layer(1)
 
 
+def test_a_layer_writes_every_block_from_the_first():
+    """Buffers are uninitialised past what was written: a layer that skipped blocks would expose
+    garbage slots, so it is refused."""
+    store, gen = KVStore(B, "cpu", torch.float32, num_layers=3), torch.Generator().manual_seed(5)
+    step(store, None, chain_parents(2, B), torch.ones(B, 2, dtype=torch.bool), gen)  # layers 0 and 1 only
+    store.plan(chain_parents(1, B))
+    with pytest.raises(RuntimeError, match="layer 2 wrote nothing for the first 2 slots"):
+        store.write(2, torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D))
+    with pytest.raises(RuntimeError, match="exactly the planned block"):
+        store.write(0, torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))
+
+
 def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache():
     store, ref = KVStore(B, "cpu", torch.float32, num_layers=2), ConcatReference(B)
     gen = torch.Generator().manual_seed(2)
