@@ -114,8 +114,7 @@ class DraftModelDrafter(Drafter):
                                    committed.next_tokens.tolist()):
             h.extend(toks[1:n])
             h.append(nxt)
-        if state.session.cache.hole_fraction > 0.5:
-            state.session.cache.compact()
+        state.session.cache.maybe_compact()
 
     def select_rows(self, state: DraftModelState, rows: Tensor) -> None:
         state.session.cache.select_rows(rows.to(self.draft.device))

@@ -1,7 +1,7 @@
 """Accepted-path KV compaction: gather each row's kept cache slots into contiguous slots.
 
 After tree verification a row keeps the accepted path and drops the siblings, and after many
-chain steps rejected slots pile up as holes. :meth:`specdec.cache.RaggedCache.compact` computes,
+chain steps rejected slots pile up as holes. :meth:`specdec.kv.KVStore.compact` computes,
 per row, the slot order that puts the kept slots first (``order [B, S']``) and gathers every
 layer's keys and values with it: ``out[b, h, s] = x[b, h, order[b, s]]``. A pure copy, so the
 Triton path equals the reference exactly. Slot ids are clamped into ``[0, S)``.

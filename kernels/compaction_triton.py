@@ -1,6 +1,6 @@
 """The Triton kernel of :mod:`specdec.kernels.compaction`: one program per (row, head, slot
 block) copies ``BLOCK_S`` slots of ``D`` contiguous elements each; reads and writes are
-coalesced along ``D``, and any input strides are accepted (a ``DynamicCache`` layer may be a view)."""
+coalesced along ``D``, and any input strides are accepted (a store's layer is a view over its buffer)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     repeat: drafter.propose → target.forward (chain or tree) → verifier.verify
             → target.commit (accepted path) → drafter.observe → emit, retire finished rows
 
-Rows accept different numbers of tokens each step; the ragged KV cache (:mod:`specdec.cache`)
+Rows accept different numbers of tokens each step; the ragged KV store (:mod:`specdec.kv`)
 keeps each row exact. Finished rows leave the batch at the next step, so a request that hits
 EOS or its limit never touches the others. With ``drafter=None`` the same loop is plain
 autoregressive decoding (an empty proposal every step), an honest baseline measured by the
@@ -91,7 +91,7 @@ class _Clock:
 
 
 def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int = 4,
-        eos_token_ids: set[int] | None = None, compact_at: float = 0.5) -> RunResult:
+        eos_token_ids: set[int] | None = None) -> RunResult:
     """Generate for a batch of requests. See the module docstring for the step."""
     validate_requests(target, drafter, requests, k)
     if not verifier.lossless:
@@ -172,8 +172,7 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
             drafter.observe(state, committed)
         tf = clock()
         last = ver.next_tokens
-        if session.cache.hole_fraction > compact_at:
-            session.cache.compact()
+        session.cache.maybe_compact()
         tg = clock()
         rm.draft_s += (tb - ta) + (tf - te)
         rm.target_s += tc - tb

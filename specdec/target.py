@@ -3,7 +3,8 @@
 It runs one forward over a block of new tokens (a chain or a tree, with a tree mask and
 per-node positions), captures the residual-stream hidden states a drafter asked for with forward
 hooks (only the layers asked for, never the full ``output_hidden_states`` tuple), and keeps the
-KV cache ragged across rows (:mod:`specdec.cache`).
+KV cache ragged across rows in a :class:`~specdec.kv.KVStore` (handed to transformers through
+:mod:`specdec.target_cache`, the only code that knows its cache classes).
 
 Layer-id convention: id ``i`` is the input of decoder layer ``i``; id ``L`` is the output of the
 last layer before the final norm. DFlash/DSpark name layers by their *output*; convert with
@@ -19,7 +20,8 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdec.cache import RaggedCache
+from specdec.kv import KVStore
+from specdec.target_cache import StoreCache
 from specdec.types import Requirements, chain_parents
 
 __all__ = ["Target", "TargetSession", "TargetOutput", "LayerSpec", "layer_output_ids"]
@@ -40,6 +42,7 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int | None  # None: the layer keeps no per-head K/V a drafter can read (MLA)
     sliding_window: int | None
+    kv_shared: bool = False  # reads an earlier layer's K/V and stores none of its own (Gemma 4)
 
 
 @dataclass
@@ -51,9 +54,9 @@ class TargetOutput:
 
 @dataclass
 class TargetSession:
-    """The per-generation state of the target: its ragged KV cache."""
+    """The per-generation state of the target: its ragged KV store, one layer per decoder layer."""
 
-    cache: RaggedCache
+    cache: KVStore
 
 
 class Target:
@@ -122,7 +125,8 @@ class Target:
                 index=i, layer_type=layer_type, num_heads=int(tc.num_attention_heads),
                 num_kv_heads=int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads),
                 head_dim=int(attn.head_dim) if readable else None,
-                sliding_window=self.sliding_window if layer_type == "sliding_attention" else None))
+                sliding_window=self.sliding_window if layer_type == "sliding_attention" else None,
+                kv_shared=bool(getattr(attn, "is_kv_shared_layer", False))))
         return specs
 
     def has_rotary(self) -> bool:
@@ -140,17 +144,26 @@ class Target:
         return rotary_emb(x, positions)
 
     def new_layer(self, config, layer_idx: int) -> nn.Module:
-        """A freshly initialised decoder layer of the target's family built from ``config`` (MTP
-        modules are the target's own layer type), initialised as the model initialises its own."""
-        layer = type(self.layers[-1])(config, layer_idx)
-        self.init_weights(layer)
-        return layer
+        """A new decoder layer of the target's family built from ``config`` (MTP modules are the
+        target's own layer type), as its constructor leaves it: :meth:`init_weights` initialises it
+        (once, over the whole module tree that holds it). It takes :meth:`kv_cache` as its ``cache``."""
+        return type(self.layers[-1])(config, layer_idx)
 
     def new_norm(self, size: int, eps: float) -> nn.Module:
-        """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...)."""
-        norm = type(self.final_norm)(size, eps=eps)
-        self.init_weights(norm)
-        return norm
+        """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...), as its
+        constructor leaves it (see :meth:`new_layer`)."""
+        return type(self.final_norm)(size, eps=eps)
+
+    def new_store(self, batch: int, num_layers: int | None = None) -> KVStore:
+        """A ragged KV store whose masks follow the target's layer types and sliding window;
+        ``num_layers`` defaults to the target's own (a session's store)."""
+        return KVStore(batch, self.device, self.dtype, self.num_layers if num_layers is None else num_layers,
+                       self.layer_types, self.sliding_window)
+
+    def kv_cache(self, store: KVStore) -> StoreCache:
+        """``store`` as the cache object the target's layer modules take (a transformers ``Cache``
+        whose layer ``i`` writes into the store's layer ``i``)."""
+        return StoreCache(store)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise every submodule of ``module`` the way the target's model initialises its own."""
@@ -197,7 +210,7 @@ class Target:
 
     # --- running --------------------------------------------------------------------------
     def new_session(self, batch: int) -> TargetSession:
-        return TargetSession(RaggedCache(batch, self.device, self.dtype, self.layer_types, self.sliding_window))
+        return TargetSession(self.new_store(batch))
 
     @torch.inference_mode()
     def forward(self, session: TargetSession, tokens: Tensor, parents: Tensor | None = None,
@@ -217,7 +230,7 @@ class Target:
             input_ids=tokens.to(self.device),
             attention_mask=plan.attention_mask,
             position_ids=plan.position_ids,
-            cache=session.cache.kv,
+            cache=self.kv_cache(session.cache),
             use_cache=True,
         )
         h = out.last_hidden_state

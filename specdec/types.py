@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from specdec.cache import RaggedCache
+    from specdec.kv import KVStore
 
 __all__ = ["Requirements", "DraftProposal", "Verification", "Committed", "chain_parents", "node_depths"]
 
@@ -177,4 +177,4 @@ class Committed:
     final_hidden: Tensor | None = None  # [B, m, D]
     proposal: DraftProposal | None = None  # None at the prefill
     verification: Verification | None = None  # None at the prefill
-    target_cache: RaggedCache | None = None  # read-only; only for drafters that declare target_cache
+    target_cache: KVStore | None = None  # read-only; only for drafters that declare target_cache

@@ -17,6 +17,7 @@ from specdec.drafters.eagle3.drafter import Eagle3Config, Eagle3Drafter
 from specdec.drafters.eagle3.checkpoint import load_eagle3, save_eagle3, serving_config
 from specdec.drafters.eagle3.model import default_layer_ids, vocab_map
 from specdec.drafters.eagle3.tree import MAX_TREE_DEPTH, parse_tree, rerank
+from specdec.kv import KVStore
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling
 from specdec.target import Target
@@ -183,11 +184,11 @@ class _Trace(Recording):
 
 
 @pytest.mark.parametrize("tree", ["chain", "static", "dynamic"])
-def test_drafts_after_acceptance_equal_drafts_from_a_fresh_start(target, tree):
+def test_drafts_after_acceptance_equal_drafts_from_a_fresh_start(target, tree, monkeypatch):
     """Every proposal made mid-generation (after rollbacks and compactions) equals the proposal a
     new generation makes on the same committed context."""
     d = Eagle3Drafter.tiny(target, tree=tree, tree_top_k=2, tree_budget=6)
-    d.compact_at = 0.0  # compact whenever there are holes
+    monkeypatch.setattr(KVStore, "compact_at", 0.0)  # compact whenever there are holes
     rec, n = _Trace(d), 10
     res = run(target, rec, GreedyVerifier(), [Request(p, n) for p in PROMPTS], k=3, eos_token_ids=set())
     assert any(r.metrics.accepted for r in res.requests), "nothing accepted: the test would prove little"

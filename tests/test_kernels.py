@@ -25,6 +25,7 @@ from specdec import SamplingParams  # noqa: E402
 from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
                              use_backend)
 from specdec.kernels.dispatch import backend_for  # noqa: E402
+from specdec.kv import KVStore  # noqa: E402
 from specdec.loop import Request, run  # noqa: E402
 from specdec.testing import RandomDrafter, assert_greedy_equivalent, greedy_reference, sampled_gof  # noqa: E402
 from specdec.types import chain_parents  # noqa: E402
@@ -172,9 +173,10 @@ def test_norm_concat_linear_kernel_matches_reference(dtype, tol):
 def test_mtp_draft_input_is_the_fused_function():
     """The MTP module's draft input equals eh_proj(cat[enorm, hnorm]), through either path."""
     from specdec.drafters.mtp.drafter import build_mtp_modules
+    from specdec.target import Target
     from specdec.testing.tiny import tiny_model
 
-    module = build_mtp_modules(tiny_model("deepseek_v3", vocab_size=48, seed=3), 1)[0]
+    module = build_mtp_modules(Target(tiny_model("deepseek_v3", vocab_size=48, seed=3)), 1)[0]
     e, h = torch.randn(2, 3, module.eh_proj.in_features // 2), torch.randn(2, 3, module.eh_proj.in_features // 2)
     expected = module.eh_proj(torch.cat([module.enorm(e), module.hnorm(h)], -1))
     ref, ker = both(module.draft_input, e, h)
@@ -266,11 +268,12 @@ def test_edge_cases_through_kernels(kernels_on, target):
     conformance.test_k_equals_one(("draft_model", DRAFTERS["draft_model"](target)), target)
 
 
-def test_kv_compaction_through_kernels(kernels_on, target):
+def test_kv_compaction_through_kernels(kernels_on, target, monkeypatch):
     """Trees compact the cache through the gather kernel; decoding stays the target's greedy."""
+    monkeypatch.setattr(KVStore, "compact_at", 0.0)  # compact whenever there are holes
     drafter = DRAFTERS["random[tree,deterministic]"](target)
     res = run(target, drafter, GreedyVerifier(), [Request([3, 1, 4], 10), Request([2, 7], 10)], k=3,
-              eos_token_ids=set(), compact_at=0.0)
+              eos_token_ids=set())
     for p, r in zip([[3, 1, 4], [2, 7]], res.requests):
         ref, logits = greedy_reference(target.model, p, 10)
         assert_greedy_equivalent(r.tokens, ref, logits)

@@ -125,7 +125,7 @@ class _SpyOpen:
 def test_loader_reads_only_the_mtp_tensors_of_a_sharded_checkpoint(ds_target, tmp_path, monkeypatch):
     L, D = ds_target.num_layers, 2
     torch.manual_seed(0)
-    modules = build_mtp_modules(ds_target.model, D)
+    modules = build_mtp_modules(ds_target, D)
     main = {k: v.contiguous() for k, v in ds_target.model.state_dict().items() if "experts" not in k}
     mtp = {}
     for d, m in enumerate(modules):
@@ -143,7 +143,7 @@ def test_loader_reads_only_the_mtp_tensors_of_a_sharded_checkpoint(ds_target, tm
 
     spy = _SpyOpen(mtp_checkpoint.safe_open)
     monkeypatch.setattr(mtp_checkpoint, "safe_open", spy)
-    loaded = load_mtp_modules(ds_target.model, tmp_path)
+    loaded = load_mtp_modules(ds_target, tmp_path)
     assert set(spy.opened) == {"model-00002-of-00002.safetensors"}  # the main shard is never opened
     assert sorted(spy.read) == sorted(k for k in mtp if not k.endswith(("embed_tokens.weight", "head.weight")))
     for a, b in zip(modules, loaded):
@@ -152,7 +152,7 @@ def test_loader_reads_only_the_mtp_tensors_of_a_sharded_checkpoint(ds_target, tm
 
 
 def test_checkpoint_layout_round_trip_and_fp8(ds_target):
-    m = build_mtp_modules(ds_target.model, 1)[0]
+    m = build_mtp_modules(ds_target, 1)[0]
     raw = to_checkpoint_layout(m.state_dict())
     assert "mlp.experts.0.gate_proj.weight" in raw and "enorm.weight" in raw and "eh_proj.weight" in raw
     back = from_checkpoint_layout(raw)

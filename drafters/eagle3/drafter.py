@@ -8,12 +8,12 @@ features at ``t_i``, at position ``i``; its output predicts ``t_{i+2}``. A draft
 ``P + j - 1`` for ``P`` committed slots: exactly what training-time test unrolls
 (:mod:`specdec.drafters.eagle3.train`).
 
-**Draft KV cache.** A :class:`~specdec.cache.RaggedCache` holds the context slots, each computed
+**Draft KV cache.** A one-layer :class:`~specdec.kv.KVStore` holds the context slots, each computed
 from target features. Draft nodes keep their K/V in a per-proposal tree buffer and attend to the
 valid cache slots plus their own ancestors. After verification the buffer is dropped (rejected
 nodes roll back for free) and the accepted path is appended to the cache again, this time with the
 target's features, as training saw it; rows that accept fewer tokens leave holes, compacted once
-they pass half the cache.
+they pass the store's compaction threshold.
 
 **Proposals.**
 - ``tree="chain"``: ``k`` draws; exact warped q (sampling) or argmax with q None.
@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdec.cache import RaggedCache
 from specdec.drafter import Drafter
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, attend, draft_layer_config
 from specdec.drafters.eagle3.tree import DEFAULT_STATIC_TREE, StaticTree, chain_tree, parse_tree, rerank
+from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements, chain_parents
@@ -73,7 +73,7 @@ class Eagle3Config:
 
 @dataclass
 class Eagle3State:
-    cache: RaggedCache  # context slots, computed from target features
+    cache: KVStore  # context slots, computed from target features
     root: Tensor  # [B, d] output of each row's last context slot: the parent of depth-1 nodes
 
 
@@ -93,7 +93,6 @@ class _Tree:
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
-    compact_at = 0.5  # compact the draft cache once this fraction of its slots are holes
 
     def __init__(self, model: Eagle3Model, config: Eagle3Config = Eagle3Config()):
         self.model = model.eval()
@@ -153,8 +152,8 @@ class Eagle3Drafter(Drafter):
                              f" the target has {target.hidden_size}")
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"eagle3 vocabulary {cfg.vocab_size} != the target's {target.vocab_size}")
-        if self.model.embed_tokens is None and target.embed_tokens.weight.shape[1] != cfg.hidden_size:
-            raise ValueError(f"eagle3 shares the target's embedding, whose width {target.embed_tokens.weight.shape[1]}"
+        if self.model.embed_tokens is None and target.hidden_size != cfg.hidden_size:
+            raise ValueError(f"eagle3 shares the target's embedding, whose width {target.hidden_size}"
                              f" is not the draft hidden size {cfg.hidden_size}: the checkpoint needs embed_tokens")
         for i in spec.layer_ids:
             if not 0 <= i <= target.num_layers:
@@ -166,15 +165,14 @@ class Eagle3Drafter(Drafter):
     # --- the contract -------------------------------------------------------------------------
     def start(self, prefill: Committed, rows: RowSampling) -> Eagle3State:
         B = prefill.tokens.shape[0]
-        cache = RaggedCache(B, self.target.device, self.model.fc.weight.dtype)
+        cache = KVStore(B, self.target.device, self.model.fc.weight.dtype)
         state = Eagle3State(cache, torch.zeros(0))
         self._ingest(state, prefill)
         return state
 
     def observe(self, state: Eagle3State, committed: Committed) -> None:
         self._ingest(state, committed)
-        if state.cache.hole_fraction > self.compact_at:
-            state.cache.compact()
+        state.cache.maybe_compact()
 
     def select_rows(self, state: Eagle3State, rows: Tensor) -> None:
         state.cache.select_rows(rows.to(state.cache.device))
@@ -203,15 +201,15 @@ class Eagle3Drafter(Drafter):
         plan = state.cache.plan(chain_parents(m, B, dev))
         cos, sin = model.rope(g, plan.position_ids)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
-        keys, values = state.cache.kv.update(k, v, 0)
+        keys, values = state.cache.write(0, k, v)
         allowed = plan.attention_mask[:, 0] == 0  # [B, m, S + m]
         y = model.layer.finish(attend(q, keys, values, allowed), res)
         state.cache.commit(idx < c.num_tokens.to(dev).unsqueeze(1))
         state.root = y.gather(1, (c.num_tokens.to(dev) - 1).clamp(min=0).view(B, 1, 1).expand(-1, 1, y.shape[-1]))[:, 0]
 
     def _embed(self, tokens: Tensor) -> Tensor:
-        emb = self.model.embed_tokens if self.model.embed_tokens is not None else self.target.embed_tokens
-        return emb(tokens).to(self.model.fc.weight.dtype)
+        own = self.model.embed_tokens
+        return (own(tokens) if own is not None else self.target.embed(tokens)).to(self.model.fc.weight.dtype)
 
     # --- draft nodes --------------------------------------------------------------------------
     def _forward(self, state: Eagle3State, tree: _Tree, tokens: Tensor, parent: Tensor, depth: int) -> Tensor:
@@ -233,9 +231,9 @@ class Eagle3Drafter(Drafter):
         pos = (cache.lengths.unsqueeze(1) + depth - 1).expand(B, w)
         cos, sin = model.rope(g, pos)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
-        layer = cache.kv.layers[0]
-        keys = torch.cat([layer.keys, *tree.k, k], dim=2)
-        values = torch.cat([layer.values, *tree.v, v], dim=2)
+        ctx_k, ctx_v = cache.layer(0)
+        keys = torch.cat([ctx_k, *tree.k, k], dim=2)
+        values = torch.cat([ctx_v, *tree.v, v], dim=2)
         eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
         allowed = torch.cat([cache.valid.unsqueeze(1).expand(B, w, cache.num_slots), anc, eye], dim=-1)
         y = model.layer.finish(attend(q, keys, values, allowed), res)

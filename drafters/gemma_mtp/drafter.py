@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Gemma4AssistantConfig, Gemma4TextConfig, PreTrainedModel
 
-from specdec.cache import RaggedCache
 from specdec.drafter import Drafter
+from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
@@ -42,11 +42,9 @@ __all__ = ["GemmaMTPDrafter", "GemmaMTPState", "kv_source_layers", "sparse_logit
 
 
 def kv_source_layers(target: Target) -> dict[str, int]:
-    """Attention type → index (in the target's cache) of the last non-shared layer of that type."""
-    types = target.layer_types or ["full_attention"] * target.num_layers
-    shared = int(getattr(target.text_config, "num_kv_shared_layers", 0) or 0)
-    owners = types[: len(types) - shared]  # KV-shared layers (Gemma 4) keep no cache of their own
-    return {t: max(i for i, lt in enumerate(owners) if lt == t) for t in set(owners)}
+    """Attention type → index (in the target's store) of the last non-shared layer of that type."""
+    owners = [s for s in target.layer_specs() if not s.kv_shared]  # KV-shared layers (Gemma 4) store none
+    return {t: max(s.index for s in owners if s.layer_type == t) for t in {s.layer_type for s in owners}}
 
 
 def sparse_logits(hidden: Tensor, centroids: torch.nn.Linear, token_ordering: Tensor, lm_head_weight: Tensor,
@@ -65,7 +63,7 @@ def sparse_logits(hidden: Tensor, centroids: torch.nn.Linear, token_ordering: Te
 class GemmaMTPState:
     hidden: Tensor  # [B, D_target] post-norm hidden state at the last committed token
     anchor: Tensor  # [B] the token after it (not yet in the target cache)
-    cache: RaggedCache  # the target's, read-only
+    cache: KVStore  # the target's, read-only
     logits: Tensor | None = None  # [B, k, V] of the last proposal, for inspection
 
 
@@ -107,7 +105,7 @@ class GemmaMTPDrafter(Drafter):
         idx = (committed.num_tokens - 1).clamp(min=0)
         return committed.final_hidden[torch.arange(idx.numel(), device=idx.device), idx]
 
-    def _masks(self, cache: RaggedCache) -> dict[str, Tensor]:
+    def _masks(self, cache: KVStore) -> dict[str, Tensor]:
         """One query at the anchor's position; keys are the target's committed slots.
 
         Sliding layers see the last ``sliding_window + 1`` committed tokens: that is the window
@@ -127,8 +125,8 @@ class GemmaMTPDrafter(Drafter):
     def step(self, state: GemmaMTPState, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """One assistant pass. tokens [B], hidden [B, D_target] → (logits [B, V], next hidden)."""
         a, cache = self.assistant, state.cache
-        kv = {t: (cache.kv.layers[i].keys, cache.kv.layers[i].values) for t, i in self.sources.items()}
-        x = torch.cat([self.target.embed_tokens(tokens), hidden], dim=-1).to(a.dtype)
+        kv = {t: cache.layer(i) for t, i in self.sources.items()}
+        x = torch.cat([self.target.embed(tokens), hidden], dim=-1).to(a.dtype)
         x = a.pre_projection(x).unsqueeze(1)  # [B, 1, d]
         masks = self._masks(cache)
         out = a.model(inputs_embeds=x, attention_mask={t: masks[t] for t in set(self.text_config.layer_types)},
@@ -184,10 +182,10 @@ class GemmaMTPDrafter(Drafter):
 
 
 def _head_dim(target: Target, layer: int) -> int:
-    attn = target.layers[layer].self_attn
-    if not hasattr(attn, "head_dim") or not hasattr(attn, "k_proj"):
-        raise ValueError(f"{type(attn).__name__} keeps no per-head K/V an assistant can read (MLA?)")
-    return int(attn.head_dim)
+    head_dim = target.layer_specs()[layer].head_dim
+    if head_dim is None:
+        raise ValueError(f"target layer {layer} keeps no per-head K/V an assistant can read (MLA?)")
+    return head_dim
 
 
 def assistant_config(target: Target, hidden_size: int = 32, intermediate_size: int = 64,

@@ -27,6 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from specdec.target import Target
+
 __all__ = ["read_mtp_layout", "mtp_keys", "load_mtp_modules", "from_checkpoint_layout", "to_checkpoint_layout",
            "save_mtp_checkpoint"]
 
@@ -129,16 +131,15 @@ def to_checkpoint_layout(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def load_mtp_modules(target_model: nn.Module, folder: str | Path) -> nn.ModuleList:
-    """The MTP modules stored in ``folder`` for ``target_model``, reading only their tensors."""
+def load_mtp_modules(target: Target, folder: str | Path) -> nn.ModuleList:
+    """The MTP modules stored in ``folder`` for ``target``, reading only their tensors."""
     from specdec.drafters.mtp.drafter import build_mtp_modules
 
     L, depth = read_mtp_layout(folder)
-    target_layers = target_model.config.get_text_config().num_hidden_layers
-    if L != target_layers:
-        raise ValueError(f"{folder}: MTP modules follow {L} layers, the target has {target_layers}")
+    if L != target.num_layers:
+        raise ValueError(f"{folder}: MTP modules follow {L} layers, the target has {target.num_layers}")
     keys = mtp_keys(folder, L, depth)
-    modules = build_mtp_modules(target_model, depth)
+    modules = build_mtp_modules(target, depth)
     raw = _read(keys)
     for d, module in enumerate(modules):
         prefix = f"model.layers.{L + d}."

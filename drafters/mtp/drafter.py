@@ -39,7 +39,7 @@ Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabular
 from __future__ import annotations
 
 import copy
-import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,9 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from specdec.cache import RaggedCache
 from specdec.drafter import Drafter
 from specdec.kernels import fused_norm_concat_linear, rms_norm_params
+from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
@@ -98,18 +98,19 @@ def mtp_block_config(text_config, depth: int):
 class MTPModule(nn.Module):
     """One MTP / NextN module; parameter names are the checkpoint's (``model.layers.{L+d}.``)."""
 
-    def __init__(self, block: nn.Module, norm_cls: type[nn.Module], hidden_size: int, eps: float):
+    def __init__(self, block: nn.Module, new_norm: Callable[[], nn.Module], hidden_size: int):
         super().__init__()
-        self.enorm = norm_cls(hidden_size, eps=eps)
-        self.hnorm = norm_cls(hidden_size, eps=eps)
+        self.enorm = new_norm()
+        self.hnorm = new_norm()
         self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.mtp_block = block
         self.shared_head = nn.Module()
-        self.shared_head.norm = norm_cls(hidden_size, eps=eps)
+        self.shared_head.norm = new_norm()
 
     def forward(self, embeds: Tensor, hidden: Tensor, position_embeddings, position_ids: Tensor,
                 attention_mask: Tensor | None = None, cache=None) -> tuple[Tensor, Tensor]:
-        """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each."""
+        """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each;
+        ``cache`` is a store as :meth:`specdec.target.Target.kv_cache` hands it to the block."""
         x = self.draft_input(embeds, hidden)
         out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                              use_cache=cache is not None, position_embeddings=position_embeddings)
@@ -125,26 +126,22 @@ class MTPModule(nn.Module):
         return fused_norm_concat_linear(embeds, hidden, e[0], h[0], self.eh_proj.weight, e[1], self.eh_proj.bias)
 
 
-def build_mtp_modules(target_model: nn.Module, depth: int) -> nn.ModuleList:
-    """``depth`` randomly initialised MTP modules of the target's family (its own decoder layer)."""
-    decoder = target_model.get_decoder()
-    layer = decoder.layers[-1]
-    text_config = target_model.config.get_text_config()
-    cfg = mtp_block_config(text_config, depth)
-    norm_cls = type(decoder.norm)
+def build_mtp_modules(target: Target, depth: int) -> nn.ModuleList:
+    """``depth`` randomly initialised MTP modules of the target's family (its own decoder layer
+    and norm), built first and then initialised in one pass as the target's model initialises."""
+    cfg = mtp_block_config(target.text_config, depth)
     eps = getattr(cfg, "rms_norm_eps", 1e-6)
-    modules = nn.ModuleList(
-        [MTPModule(type(layer)(cfg, d), norm_cls, cfg.hidden_size, eps) for d in range(depth)])
-    init = getattr(target_model, "_init_weights", None)
-    for m in modules.modules():
-        if init is not None and m is not modules:
-            init(m)
-    return modules.to(dtype=next(target_model.parameters()).dtype)
+    modules = nn.ModuleList([
+        MTPModule(target.new_layer(cfg, d), lambda: target.new_norm(cfg.hidden_size, eps), cfg.hidden_size)
+        for d in range(depth)])
+    for m in modules:
+        target.init_weights(m)
+    return modules.to(dtype=target.dtype)
 
 
 @dataclass
 class _Stream:
-    cache: RaggedCache
+    cache: KVStore  # one layer per MTP module; a stream writes its module's
     hidden_in: list[Tensor]  # per row: inputs [n, D] for this stream's next committed slots
 
 
@@ -179,7 +176,7 @@ class MTPDrafter(Drafter):
             if not folder or not Path(folder).is_dir():
                 raise ValueError(f"mtp needs `checkpoint`, a local folder with MTP layers; got {folder!r}"
                                  " (the target was not loaded from a local folder)")
-            modules = load_mtp_modules(target.model, folder)
+            modules = load_mtp_modules(target, folder)
         d = cls(modules, config)
         d.bind(target)
         return d
@@ -189,7 +186,7 @@ class MTPDrafter(Drafter):
         """Two random MTP modules of the target's family (k > 2 exercises the policy)."""
         depth, seed = overrides.pop("depth", 2), overrides.pop("seed", 1)
         torch.manual_seed(seed)
-        d = cls(build_mtp_modules(target.model, depth), MTPConfig(**overrides))
+        d = cls(build_mtp_modules(target, depth), MTPConfig(**overrides))
         d.bind(target)
         return d
 
@@ -197,12 +194,13 @@ class MTPDrafter(Drafter):
         return Requirements(final_hidden=True)
 
     def bind(self, target: Target) -> None:
-        if getattr(target.decoder, "rotary_emb", None) is None:
-            raise ValueError("mtp needs a target whose decoder has a `rotary_emb` (Llama, Qwen3, Gemma 3, DeepSeek-V3)")
+        if not target.has_rotary():
+            raise ValueError("mtp needs a target with one shared rotary embedding (Llama, Qwen3, Gemma 3, DeepSeek-V3)")
         width = self.modules[0].eh_proj.in_features
         if width != 2 * target.hidden_size:
             raise ValueError(f"MTP eh_proj expects hidden size {width // 2}, the target has {target.hidden_size}")
         self.modules.to(device=target.device, dtype=target.dtype)
+        self.layer_type = target.layer_specs()[-1].layer_type  # every MTP block's (mtp_block_config)
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------
@@ -221,8 +219,7 @@ class MTPDrafter(Drafter):
             state.history[b].append(nxt)
             state.main_hidden[b] = torch.cat([state.main_hidden[b], committed.final_hidden[b, :n]])
         for s in state.streams:
-            if s.cache.hole_fraction > 0.5:
-                s.cache.compact()
+            s.cache.maybe_compact()
 
     def select_rows(self, state: MTPState, rows: Tensor) -> None:
         idx = rows.tolist()
@@ -235,11 +232,9 @@ class MTPDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, state: MTPState, k: int, rows: RowSampling) -> DraftProposal:
         B, K = len(state.history), self.config.tree_top_k
-        dev, dtype = self.target.device, self.modules[0].eh_proj.weight.dtype
         if not state.streams:  # one stream per draft step, each starting from slot 0
-            t = self.target
-            state.streams = [_Stream(RaggedCache(B, dev, dtype, t.layer_types, t.sliding_window),
-                                     [h[:0] for h in state.main_hidden]) for _ in range(k)]
+            state.streams = [_Stream(self.target.new_store(B, self.depth), [h[:0] for h in state.main_hidden])
+                             for _ in range(k)]
         elif len(state.streams) != k:
             raise ValueError(f"k changed from {len(state.streams)} to {k} within one generation")
         greedy = self.config.greedy_draft or K > 1
@@ -284,15 +279,13 @@ class MTPDrafter(Drafter):
         plans, tok, hid, parents, keep = self._block(state, j, tent, drafts)
         plan = s.cache.plan(parents.to(dev))
         pos = plan.position_ids + j + 1  # stream j's slot i sits at position i + j + 1
-        embeds = self.target.embed_tokens(tok.to(dev))
+        embeds = self.target.embed(tok.to(dev))
         hid = hid.to(device=dev, dtype=embeds.dtype)
-        mask, layer_type = plan.attention_mask, getattr(module.mtp_block.self_attn, "layer_type", None)
+        mask = plan.attention_mask
         if isinstance(mask, dict):  # sliding-window families: the block's own layer type
-            mask = mask[layer_type]
-        rotary_emb = self.target.decoder.rotary_emb
-        extra = {"layer_type": layer_type} if "layer_type" in inspect.signature(rotary_emb.forward).parameters else {}
-        rotary = rotary_emb(embeds, pos, **extra)
-        residual, normed = module(embeds, hid, rotary, pos, mask, s.cache.kv)
+            mask = mask[self.layer_type]
+        rotary = self.target.rotary(embeds, pos, self.layer_type)
+        residual, normed = module(embeds, hid, rotary, pos, mask, self.target.kv_cache(s.cache))
         s.cache.commit(keep.to(dev))
         chain = normed if cfg.chain_hidden == "normed" else residual
         out, last, committed = [], [], []

@@ -1,0 +1,228 @@
+"""The one ragged KV store: the target's cache and every drafter's that keeps one.
+
+Every forward appends the same number of slots ``m`` to every row. After verification each row
+keeps only its accepted slots; the rest become holes, masked out of attention from then on.
+Each row carries its own positions (count of valid slots before it), so holes cost memory and
+compute but never change a logit. A store fed committed tokens only (a drafter's context) simply
+commits every real slot and never rolls back.
+
+**Memory.** Every layer's keys and values live in buffers ``[B, H, capacity, D]`` (K and V may
+differ in ``H`` and ``D``, as MLA latents do) preallocated in blocks of :attr:`KVStore.block`
+slots, and so do the per-slot ``valid`` / ``slot_pos``: a step writes into the buffers, and only
+crossing a block boundary reallocates. Everything handed out is a view over the used slots; the
+slots past them are never read, so they are left uninitialised.
+
+Every method that changes the store runs in inference mode: its buffers are inference tensors,
+updated in place between steps as well as inside the forwards that fill them.
+
+**Compaction.** :meth:`KVStore.maybe_compact` is the one policy: once more than
+:attr:`KVStore.compact_at` of the slots are holes, every row's valid slots are gathered to the
+front (always worth it after trees, which leave siblings behind).
+
+Masks are additive 4D ``[B, 1, m, S + m]`` float masks; for models with sliding-window layers a
+dict ``{layer_type: mask}`` is built, one per type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specdec.kernels.compaction import gather_slots
+
+__all__ = ["KVStore", "BlockPlan", "ancestor_matrix"]
+
+
+def ancestor_matrix(parents: Tensor) -> Tensor:
+    """anc[b, i, j] is True when block token j is token i or one of its ancestors.
+
+    parents [B, m] hold block-local parent indices (-1 = attached to the committed prefix).
+    """
+    B, m = parents.shape
+    anc = torch.eye(m, dtype=torch.bool, device=parents.device).expand(B, m, m).clone()
+    for i in range(m):
+        p = parents[:, i]
+        has = p >= 0
+        if has.any():
+            rows = anc[torch.arange(B, device=parents.device), p.clamp(min=0)]  # [B, m]
+            anc[:, i] |= rows & has.unsqueeze(1)
+    return anc
+
+
+@dataclass
+class BlockPlan:
+    """The mask and positions for one forward of ``m`` new tokens."""
+
+    attention_mask: Tensor | dict[str, Tensor]
+    position_ids: Tensor  # [B, m]
+
+
+class KVStore:
+    """Ragged per-row K/V of ``num_layers`` layers.
+
+    ``valid [B, S]`` marks the slots that hold committed tokens; ``slot_pos [B, S]`` their
+    positions; ``lengths [B]`` the number of committed tokens (the next position). A block is
+    :meth:`plan`-ned, each layer :meth:`write`-s its K/V, then :meth:`commit` keeps some slots.
+    """
+
+    block = 256  # slots the buffers grow by
+    compact_at = 0.5  # the compaction policy: compact once this fraction of the slots are holes
+
+    def __init__(self, batch: int, device: torch.device | str, dtype: torch.dtype, num_layers: int = 1,
+                 layer_types: list[str] | None = None, sliding_window: int | None = None):
+        self.device = torch.device(device)
+        self.dtype = dtype  # of the additive masks
+        self.num_layers = num_layers
+        self.layer_types = layer_types
+        self.sliding_window = sliding_window
+        self.num_slots = 0  # S: slots in use (committed columns, holes included)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._valid = torch.zeros(batch, 0, dtype=torch.bool, device=self.device)  # [B, capacity]
+        self._slot_pos = torch.zeros(batch, 0, dtype=torch.long, device=self.device)  # [B, capacity]
+        self._keys: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dk], allocated on first write
+        self._values: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dv]
+        self._pending: Tensor | None = None  # positions of the block awaiting commit [B, m]
+
+    # --- views ------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self._valid.shape[1]
+
+    @property
+    def valid(self) -> Tensor:
+        """[B, S] bool view: the slot holds a committed token."""
+        return self._valid[:, : self.num_slots]
+
+    @property
+    def slot_pos(self) -> Tensor:
+        """[B, S] view: each slot's position."""
+        return self._slot_pos[:, : self.num_slots]
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s keys and values over the used slots, views [B, H, S, D]."""
+        k, v = self._keys[i], self._values[i]
+        if k is None or v is None:
+            raise ValueError(f"layer {i} holds no K/V (it never wrote any)")
+        return k[:, :, : self.num_slots], v[:, :, : self.num_slots]
+
+    @property
+    def hole_fraction(self) -> float:
+        valid = self.valid
+        return 1.0 - float(valid.sum()) / max(1, valid.numel())
+
+    # --- one block: plan, write, commit -----------------------------------------------------
+    @torch.inference_mode()
+    def plan(self, parents: Tensor) -> BlockPlan:
+        """Mask and positions for a block whose tokens have block-local ``parents`` [B, m]."""
+        if self._pending is not None:
+            raise RuntimeError("commit() the previous block before planning the next one")
+        B, m = parents.shape
+        valid, S = self.valid, self.num_slots
+        anc = ancestor_matrix(parents)
+        depth = anc.sum(-1) - 1  # [B, m]: 0 for tokens attached to the prefix
+        positions = self.lengths.unsqueeze(1) + depth
+        allowed = torch.cat([valid.unsqueeze(1).expand(B, m, S), anc], dim=-1)
+        key_pos = torch.cat([self.slot_pos, positions], dim=-1)  # [B, S + m]
+        self._reserve(S + m)
+        self._pending = positions
+        mask = self._additive(allowed)
+        if self.layer_types and self.sliding_window and "sliding_attention" in self.layer_types:
+            in_window = positions.unsqueeze(-1) - key_pos.unsqueeze(1) < self.sliding_window
+            masks = {"full_attention": mask, "sliding_attention": self._additive(allowed & in_window)}
+            return BlockPlan({t: masks[t] for t in set(self.layer_types)}, positions)
+        return BlockPlan(mask, positions)
+
+    def _additive(self, allowed: Tensor) -> Tensor:
+        neg = torch.finfo(self.dtype).min
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, neg).unsqueeze(1)  # [B, 1, m, S + m]
+
+    @torch.inference_mode()
+    def write(self, i: int, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Store layer ``i``'s K/V of the planned block (keys, values [B, H, m, D]); returns the
+        layer's keys and values over the used slots plus the block, views [B, H, S + m, D]."""
+        if self._pending is None or keys.shape[2] != self._pending.shape[1]:
+            raise RuntimeError("write() the K/V of exactly the planned block")
+        S, end = self.num_slots, self.num_slots + keys.shape[2]
+        if self._keys[i] is None:  # buffers are uninitialised: a layer must write every block from the first
+            if S:
+                raise RuntimeError(f"layer {i} wrote nothing for the first {S} slots")
+            self._keys[i] = keys.new_empty(*keys.shape[:2], self.capacity, keys.shape[3])
+            self._values[i] = values.new_empty(*values.shape[:2], self.capacity, values.shape[3])
+        k, v = self._keys[i], self._values[i]
+        assert k is not None and v is not None
+        k[:, :, S:end] = keys
+        v[:, :, S:end] = values
+        return k[:, :, :end], v[:, :, :end]
+
+    @torch.inference_mode()
+    def commit(self, keep: Tensor) -> None:
+        """Keep the block slots marked in ``keep`` [B, m]; they must form a root-to-node path."""
+        if self._pending is None:
+            raise RuntimeError("nothing to commit: plan() a block first")
+        S, end = self.num_slots, self.num_slots + self._pending.shape[1]
+        self._valid[:, S:end] = keep
+        self._slot_pos[:, S:end] = self._pending
+        self.num_slots = end
+        self.lengths = self.lengths + keep.sum(1)
+        self._pending = None
+
+    def _reserve(self, slots: int) -> None:
+        """Grow every buffer to hold ``slots`` slots, in whole blocks (no-op when they fit)."""
+        if slots <= self.capacity:
+            return
+        self._move(-(-slots // self.block) * self.block)
+
+    def _move(self, capacity: int, rows: Tensor | None = None) -> None:
+        """Reallocate every buffer with ``capacity`` slots, keeping the used slots (of ``rows`` only,
+        when given); slots past them stay uninitialised: they are written before they are read."""
+        def moved(x: Tensor, dim: int) -> Tensor:
+            used = x.narrow(dim, 0, self.num_slots)
+            used = used if rows is None else used[rows]
+            out = x.new_empty(*used.shape[:dim], capacity, *used.shape[dim + 1:])
+            out.narrow(dim, 0, self.num_slots).copy_(used)
+            return out
+
+        self._valid, self._slot_pos = moved(self._valid, 1), moved(self._slot_pos, 1)
+        self._keys = [None if k is None else moved(k, 2) for k in self._keys]
+        self._values = [None if v is None else moved(v, 2) for v in self._values]
+
+    # --- between steps ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def rollback(self, counts: Tensor) -> None:
+        """Drop the last ``counts[b]`` committed tokens of each row. counts [B]"""
+        valid = self.valid
+        rank_from_end = valid.flip(-1).long().cumsum(-1).flip(-1)  # 1 = last valid slot
+        drop = valid & (rank_from_end <= counts.unsqueeze(1))
+        valid &= ~drop
+        self.lengths = self.lengths - drop.sum(1)
+
+    def maybe_compact(self) -> None:
+        """The one compaction policy (see :attr:`compact_at`); the loop and drafters call it after a step."""
+        if self.hole_fraction > self.compact_at:
+            self.compact()
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Gather every row's valid slots to the front; the slots no row needs become free."""
+        keep_cols = int(self.lengths.max()) if self.batch else 0
+        order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, :keep_cols]  # [B, S']
+        for buffers in (self._keys, self._values):
+            for x in buffers:
+                if x is not None:
+                    x[:, :, :keep_cols] = gather_slots(x[:, :, : self.num_slots], order)
+        self._valid[:, :keep_cols] = self.valid.gather(1, order)
+        self._slot_pos[:, :keep_cols] = self.slot_pos.gather(1, order)
+        self.num_slots = keep_cols
+
+    @torch.inference_mode()
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only the given batch rows (retire finished requests)."""
+        self._move(self.capacity, rows)
+        self.lengths = self.lengths[rows]

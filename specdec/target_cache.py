@@ -1,0 +1,51 @@
+"""The one place that knows transformers' cache classes: a :class:`~specdec.kv.KVStore` dressed as
+a ``transformers.cache_utils.Cache``.
+
+A transformers attention layer calls ``cache.update(k, v, layer_idx)`` and attends to what it
+returns; here that writes the block's K/V into the store's preallocated buffers and returns views
+over the used slots plus the block. Masks and positions never come from the cache: the target
+passes the store's own additive masks (:meth:`~specdec.kv.KVStore.plan`), which transformers takes
+as they are, so every layer reports itself as a plain full-attention layer whatever its type.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specdec.kv import KVStore
+
+__all__ = ["StoreCache"]
+
+
+class _StoreLayer(CacheLayerMixin):
+    """Layer ``index`` of a store, as a transformers cache layer."""
+
+    is_sliding = False  # the window is in the store's mask, never in the cache
+
+    def __init__(self, store: KVStore, index: int):
+        super().__init__()
+        self.store, self.index = store, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        pass  # the store allocates on its first write
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.store.write(self.index, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.num_slots + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.num_slots
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StoreCache(Cache):
+    """A transformers ``Cache`` over every layer of ``store``."""
+
+    def __init__(self, store: KVStore):
+        super().__init__(layers=[_StoreLayer(store, i) for i in range(store.num_layers)])

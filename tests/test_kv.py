@@ -1,0 +1,178 @@
+"""The ragged KV store: buffers grow by whole blocks and are written in place, everything handed
+out is a view, and plan / rollback / compact / select_rows behave exactly as the concatenating
+cache they replace (kept here as the specification). One compaction policy, set in one place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kv import KVStore, ancestor_matrix
+from specdec.target import Target
+from specdec.testing.tiny import tiny_model
+from specdec.types import chain_parents
+
+B, H, D = 3, 2, 4
+
+
+class ConcatReference:
+    """The replaced cache's semantics: every buffer grown by ``torch.cat`` each step."""
+
+    def __init__(self, batch: int):
+        self.keys = torch.zeros(batch, H, 0, D)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(batch, 0, dtype=torch.long)
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+
+    def step(self, keys, parents, keep):
+        depth = ancestor_matrix(parents).sum(-1) - 1
+        self.keys = torch.cat([self.keys, keys], 2)
+        self.valid = torch.cat([self.valid, keep], 1)
+        self.slot_pos = torch.cat([self.slot_pos, self.lengths.unsqueeze(1) + depth], 1)
+        self.lengths = self.lengths + keep.sum(1)
+
+    def rollback(self, counts):
+        rank_from_end = self.valid.flip(-1).long().cumsum(-1).flip(-1)
+        drop = self.valid & (rank_from_end <= counts.unsqueeze(1))
+        self.valid, self.lengths = self.valid & ~drop, self.lengths - drop.sum(1)
+
+    def compact(self):
+        order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, : int(self.lengths.max())]
+        self.keys = self.keys.gather(2, order[:, None, :, None].expand(-1, H, -1, D))
+        self.valid, self.slot_pos = self.valid.gather(1, order), self.slot_pos.gather(1, order)
+
+    def select_rows(self, rows):
+        self.keys, self.valid = self.keys[rows], self.valid[rows]
+        self.slot_pos, self.lengths = self.slot_pos[rows], self.lengths[rows]
+
+
+def step(store: KVStore, ref: ConcatReference | None, parents, keep, gen):
+    """One block through the store (and the reference): plan, write both layers, commit."""
+    plan = store.plan(parents)
+    keys = torch.randn(store.batch, H, parents.shape[1], D, generator=gen)
+    out_k, out_v = store.write(0, keys, -keys)
+    store.write(1, keys[..., :2], keys[..., :3])  # K and V of a layer may differ in width (MLA)
+    assert torch.equal(out_k[:, :, -parents.shape[1]:], keys) and out_k.shape[2] == store.num_slots + parents.shape[1]
+    store.commit(keep)
+    if ref is not None:
+        ref.step(keys, parents, keep)
+    return plan
+
+
+def assert_same(store: KVStore, ref: ConcatReference):
+    assert torch.equal(store.valid, ref.valid)
+    assert torch.equal(store.slot_pos, ref.slot_pos)
+    assert torch.equal(store.lengths, ref.lengths)
+    assert torch.equal(store.layer(0)[0], ref.keys) and torch.equal(store.layer(0)[1], -ref.keys)
+    assert torch.equal(store.layer(1)[0], ref.keys[..., :2])
+
+
+def test_buffers_grow_by_whole_blocks_and_are_written_in_place():
+    store, gen = KVStore(B, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(0)
+    step(store, None, chain_parents(5, B), torch.ones(B, 5, dtype=torch.bool), gen)
+    assert store.capacity == KVStore.block
+    ptrs = (store.layer(0)[0].data_ptr(), store.layer(1)[1].data_ptr(), store.valid.data_ptr())
+    while store.num_slots + 7 <= KVStore.block:  # every step inside the first block: no reallocation
+        step(store, None, chain_parents(7, B), torch.ones(B, 7, dtype=torch.bool), gen)
+        assert (store.layer(0)[0].data_ptr(), store.layer(1)[1].data_ptr(), store.valid.data_ptr()) == ptrs
+    before = store.layer(0)[0].clone()
+    step(store, None, chain_parents(7, B), torch.ones(B, 7, dtype=torch.bool), gen)  # crosses the boundary
+    assert store.capacity == 2 * KVStore.block and store.layer(0)[0].data_ptr() != ptrs[0]
+    assert torch.equal(store.layer(0)[0][:, :, : before.shape[2]], before)  # the used slots moved along
+
+
+def test_reads_are_views_over_the_used_slots():
+    store, gen = KVStore(B, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(1)
+    step(store, None, chain_parents(4, B), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]).bool(), gen)
+    keys, values = store.layer(0)
+    assert keys.shape == (B, H, 4, D) and values.shape == (B, H, 4, D)
+    # windows of the preallocated buffers, not copies: their strides span the whole capacity
+    assert keys.stride(1) == values.stride(1) == store.capacity * D and store.valid.stride(0) == store.capacity
+    assert store.valid.shape == store.slot_pos.shape == (B, 4) and store.lengths.tolist() == [4, 2, 1]
+    with pytest.raises(ValueError, match="layer 1"):
+        KVStore(B, "cpu", torch.float32, num_layers=2).layer(1)
+
+
+def test_a_layer_writes_every_block_from_the_first():
+    """Buffers are uninitialised past what was written: a layer that skipped blocks would expose
+    garbage slots, so it is refused."""
+    store, gen = KVStore(B, "cpu", torch.float32, num_layers=3), torch.Generator().manual_seed(5)
+    step(store, None, chain_parents(2, B), torch.ones(B, 2, dtype=torch.bool), gen)  # layers 0 and 1 only
+    store.plan(chain_parents(1, B))
+    with pytest.raises(RuntimeError, match="layer 2 wrote nothing for the first 2 slots"):
+        store.write(2, torch.zeros(B, H, 1, D), torch.zeros(B, H, 1, D))
+    with pytest.raises(RuntimeError, match="exactly the planned block"):
+        store.write(0, torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))
+
+
+def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache():
+    store, ref = KVStore(B, "cpu", torch.float32, num_layers=2), ConcatReference(B)
+    gen = torch.Generator().manual_seed(2)
+    tree = torch.tensor([[-1, 0, 0, 1, 2]]).expand(B, -1)
+    for i in range(12):
+        parents = tree if i % 3 == 0 else chain_parents(3 + i % 2, B)
+        keep = torch.rand(B, parents.shape[1], generator=gen) < 0.6
+        keep[:, 0] = True
+        if parents is tree:  # keep a root-to-node path
+            keep[:, 2], keep[:, 4] = False, False
+            keep[:, 3] &= keep[:, 1]
+        else:
+            keep = keep.long().cumprod(1).bool()
+        plan = step(store, ref, parents, keep, gen)
+        assert plan.position_ids.tolist() == ref.slot_pos[:, -parents.shape[1]:].tolist()
+        assert_same(store, ref)
+        if i % 4 == 1:
+            counts = torch.tensor([1, 0, 2])
+            store.rollback(counts), ref.rollback(counts)
+            assert_same(store, ref)
+        if i % 4 == 2:
+            store.compact(), ref.compact()
+            assert_same(store, ref)
+    rows = torch.tensor([2, 0])
+    store.select_rows(rows), ref.select_rows(rows)
+    assert_same(store, ref)
+    step(store, ref, chain_parents(2, 2), torch.ones(2, 2, dtype=torch.bool), gen)
+    assert_same(store, ref)
+
+
+def test_masks_follow_holes_trees_and_the_sliding_window():
+    store = KVStore(1, "cpu", torch.float32, layer_types=["sliding_attention", "full_attention"], sliding_window=2)
+    gen = torch.Generator().manual_seed(3)
+    step_keep = torch.tensor([[1, 1, 0]]).bool()
+    store.plan(chain_parents(3, 1))
+    store.write(0, torch.randn(1, H, 3, D, generator=gen), torch.randn(1, H, 3, D, generator=gen))
+    store.commit(step_keep)  # slots at positions 0, 1 and a hole
+    plan = store.plan(torch.tensor([[-1, 0, -1]]))
+    full, sliding = (plan.attention_mask[t][0, 0] == 0 for t in ("full_attention", "sliding_attention"))
+    assert plan.position_ids.tolist() == [[2, 3, 2]]
+    assert full.tolist() == [[True, True, False, True, False, False],
+                             [True, True, False, True, True, False],
+                             [True, True, False, False, False, True]]
+    assert sliding.tolist() == [[False, True, False, True, False, False],  # position 2 sees 1 and itself
+                                [False, False, False, True, True, False],
+                                [False, True, False, False, False, True]]
+
+
+def test_maybe_compact_is_the_one_policy(monkeypatch):
+    store, gen = KVStore(2, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(4)
+    step(store, None, chain_parents(4, 2), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool(), gen)
+    assert store.hole_fraction == 3 / 8 < KVStore.compact_at == 0.5
+    store.maybe_compact()
+    assert store.num_slots == 4  # below the threshold: left alone
+    monkeypatch.setattr(KVStore, "compact_at", 0.25)
+    store.maybe_compact()
+    assert store.num_slots == 3 and store.valid.tolist() == [[True, True, True], [True, True, False]]
+
+
+def test_the_target_writes_into_its_store_in_place():
+    """A transformers model runs on the store: every layer's update lands in the preallocated
+    buffers, and a whole step reallocates nothing while the block has room."""
+    t = Target(tiny_model("llama", vocab_size=32))
+    s = t.new_session(2)
+    t.prefill(s, [[1, 2, 3], [4]])
+    ptrs = [s.cache.layer(i)[0].data_ptr() for i in range(t.num_layers)]
+    out = t.forward(s, torch.tensor([[5, 6], [7, 8]]))
+    t.commit(s, torch.tensor([[1, 1], [1, 0]]).bool())
+    assert [s.cache.layer(i)[0].data_ptr() for i in range(t.num_layers)] == ptrs
+    assert s.cache.num_slots == 5 and s.cache.lengths.tolist() == [5, 2]
+    assert out.logits.shape == (2, 2, 32)
