@@ -183,6 +183,11 @@ class Target:
         out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
         return {i: out.hidden_states[i] for i in layer_inputs}, out.last_hidden_state
 
+    def hidden(self, tokens: Tensor) -> Tensor:
+        """The post-norm final hidden state of a cache-free forward over ``tokens`` [B, T] → [B, T, D],
+        with autograd: for recipes that train the target itself (DeepSeek-V3 with its MTP modules)."""
+        return self.decoder(input_ids=tokens.to(self.device), use_cache=False).last_hidden_state
+
     def request(self, req: Requirements) -> None:
         """Capture, from now on, the union of what was asked so far."""
         for i in req.layer_inputs:

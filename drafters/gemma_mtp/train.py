@@ -40,10 +40,8 @@ def target_kv(target: Target, tokens: Tensor, sources: dict[str, int]) -> dict[s
     session = target.new_session(tokens.shape[0])
     with torch.no_grad():
         target.prefill(session, tokens.tolist())
-    # TODO(seam): read through the Target's per-layer KV view once it exists; this reaches into the
-    # transformers cache the same way drafters/gemma_mtp/drafter.py does today.
-    layers = session.cache.kv.layers
-    return {t: (layers[i].keys.transpose(1, 2), layers[i].values.transpose(1, 2)) for t, i in sources.items()}
+    kv = {t: session.cache.layer(i) for t, i in sources.items()}  # [B, H, T, d] views of the store
+    return {t: (k.transpose(1, 2), v.transpose(1, 2)) for t, (k, v) in kv.items()}
 
 
 def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -123,7 +123,7 @@ class PostHocMTPRecipe(Recipe):
 
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "post-hoc MTP trains for a target"
-        modules = build_mtp_modules(target.model, self.options.depth).float()
+        modules = build_mtp_modules(target, self.options.depth).float()
         H = target.hidden_size
         with torch.no_grad():  # warm start: x = hnorm(h), so the module first predicts what the target does
             for m in modules:
@@ -170,13 +170,12 @@ class JointMTPRecipe(Recipe):
         config._attn_implementation = "sdpa"
         main = DeepseekV3ForCausalLM(config)
         self.tokenizer, self.seam = tok, Target(main)  # the seam of the model being trained (embed, logits, rotary)
-        return nn.ModuleDict({"main": main, "mtp": build_mtp_modules(main, self.options.depth).float()})
+        return nn.ModuleDict({"main": main, "mtp": build_mtp_modules(self.seam, self.options.depth).float()})
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleDict)
-        main = model["main"]
-        hidden = main.get_decoder()(input_ids=batch.tokens).last_hidden_state  # post final norm, with grad
         s = self.seam
+        hidden = s.hidden(batch.tokens)  # post final norm, with grad
         r = mtp_loss(batch.tokens, hidden, model["mtp"], s.embed, s.logits, s.rotary, label_mask(batch),
                      self.options.lam, main_logits=s.logits(hidden))
         return _step_output(r, joint=True)

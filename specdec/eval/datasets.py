@@ -19,9 +19,11 @@ with ``importlib.util.find_spec`` and read directly; their packages are never im
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import random
+import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,12 +139,31 @@ def _sharegpt(cfg: DatasetConfig, tokenizer, rng: random.Random | None) -> list[
     return out
 
 
+# Benchmark items never trained on, the one held-out rule for every data set: the first N of each
+# benchmark's file order (what the benchmark configs load), and, for open-ended sources, the items
+# whose identity hashes to 0 modulo a period.
+HELD_OUT: dict[str, int] = {"mtbench": 40, "humaneval": 82}
+
+
+def held_out(name: str, every: int) -> bool:
+    """The held-out rule for open-ended sources: ``name`` (an item's identity) hashes to 0 modulo ``every``."""
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
+
+
+def stdlib_files(split: str = "train", heldout_every: int = 20) -> list[Path]:
+    """The standard library's top-level ``*.py`` files of ``split``: the held-out ones are those
+    :func:`held_out` marks by file name (about one in ``heldout_every``)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    return [f for f in files if held_out(f.name, heldout_every) == (split == "heldout")]
+
+
 def _stdlib(cfg: DatasetConfig, tokenizer) -> list[Sample]:
     """``num_prompts`` prompts of ``input_len`` token ids from the held-out standard-library files in
     turn (never seen by the recipes trained on the standard library), each cut at a line a third of
     the way in (past the module docstring; the second round of files, two thirds)."""
-    from specdec.training.text import stdlib_files
-
     if tokenizer is None:
         raise ValueError("the stdlib dataset needs a target with a tokenizer (it cuts code into token ids)")
     files = stdlib_files("heldout")

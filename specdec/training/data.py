@@ -40,7 +40,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
+from specdec.eval.datasets import HELD_OUT, held_out, load_dataset, packaged_file, read_sharegpt
 from specdec.models import cache_dir
 from specdec.target import Target
 from specdec.training.config import DataConfig
@@ -49,14 +49,8 @@ __all__ = ["HELD_OUT", "held_out", "TokenSeq", "FeatureSeq", "Batch", "TrainData
            "self_distill", "save_sequences", "load_sequences", "target_features", "make_batch", "load_data"]
 
 # benchmark items never trained on: the first N of each dataset's file order
-HELD_OUT: dict[str, int] = {"mtbench": 40, "humaneval": 82}
 
 Featurize = Callable[[Tensor], dict[str, Tensor]]  # tokens [B, T] -> {name: [B, T, ...]}
-
-
-def held_out(name: str, every: int) -> bool:
-    """The one held-out rule: ``name`` (an item's identity) hashes to 0 modulo ``every``."""
-    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
 
 
 @dataclass

@@ -15,21 +15,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.training.data import held_out
+from specdec.eval.datasets import stdlib_files
 
 __all__ = ["stdlib_files", "train_tokenizer", "encode_files", "windows"]
 
 EOS = "<|endoftext|>"
-
-
-def stdlib_files(split: str = "train", heldout_every: int = 20) -> list[Path]:
-    """The standard library's top-level ``*.py`` files of ``split``: the held-out ones are those
-    :func:`~specdec.training.data.held_out` marks by file name (about one in ``heldout_every``)."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(root.glob("*.py"))
-    return [f for f in files if held_out(f.name, heldout_every) == (split == "heldout")]
 
 
 def train_tokenizer(files: list[Path], vocab_size: int):
