@@ -90,15 +90,16 @@ def test_context_cache_extended_over_steps_equals_a_fresh_start(target):
     torch.testing.assert_close(h_stateful, h_fresh, atol=1e-5, rtol=1e-5)
 
 
-def test_context_kv_crop_and_compact():
+def test_context_kv_compact_moves_valid_slots_to_the_front():
     c = ContextKV(2, 1, torch.device("cpu"), torch.float32)
     k = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4, 1)
     c.append([(k, k)], torch.tensor([4, 2]))
-    c.crop(torch.tensor([1, 1]))
-    assert c.lengths.tolist() == [3, 1]
+    c.append([(k[:, :, :2] + 10, k[:, :, :2] + 10)], torch.tensor([0, 2]))
+    assert c.lengths.tolist() == [4, 4] and c.valid.shape == (2, 6)
     c.compact()
     keys, _ = c.layer(0)
-    assert keys.shape[2] == 3 and keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0] and keys[1, 0, 0, 0] == 4.0
+    assert keys.shape[2] == 4 and bool(c.valid.all())
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and keys[1, 0, :, 0].tolist() == [4.0, 5.0, 14.0, 15.0]
 
 
 def test_same_drafts_as_transformers_dflash_candidate_generator(target):

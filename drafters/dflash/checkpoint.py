@@ -37,9 +37,8 @@ from safetensors.torch import save_file
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel
 from specdec.models import safetensors_files
 
-__all__ = ["config_from_dict", "load_block_draft", "save_block_draft", "LAYOUTS"]
+__all__ = ["config_from_dict", "load_block_draft", "save_block_draft"]
 
-LAYOUTS = ("zlab", "speculators", "deepspec")
 _SKIP = ("embed_tokens.", "lm_head.", "verifier_", "d2t")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")

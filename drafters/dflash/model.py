@@ -264,7 +264,7 @@ class ContextKV:
     Holds, for every row, one slot per committed token whose target features were handed in.
     Rows gain different numbers of slots per step (pad slots are marked invalid); since only
     committed tokens enter, a rejected draft never needs evicting: the block's own K/V are never
-    stored. :meth:`crop` drops a row's last slots (used when a caller rewinds a row).
+    stored.
     """
 
     def __init__(self, batch: int, num_layers: int, device: torch.device, dtype: torch.dtype):
@@ -284,12 +284,6 @@ class ContextKV:
         self.lengths = self.lengths + counts
         if self.valid.shape[1] > 64 and float(self.valid.float().mean()) < 0.5:
             self.compact()
-
-    def crop(self, counts: Tensor) -> None:
-        """Drop the last ``counts[b]`` valid slots of each row."""
-        rank_from_end = self.valid.flip(-1).long().cumsum(-1).flip(-1)
-        self.valid = self.valid & ~(self.valid & (rank_from_end <= counts.unsqueeze(1)))
-        self.lengths = self.valid.sum(1)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         assert self.keys[i] is not None and self.values[i] is not None
