@@ -121,7 +121,6 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
         state["t2d"] = t2d.bool()
         model.set_draft_vocab(state["t2d"])
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
     return model.to(dtype).eval()
@@ -151,7 +150,7 @@ def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dt
         config["draft_vocab_size"] = int(model.t2d.sum())  # tokens drafted; the mask is the tensor t2d
     config.update(extra or {})
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
-             for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+             for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

@@ -147,7 +147,7 @@ class BlockDrafter(Drafter):
         positions = state.cache.lengths.unsqueeze(1) + torch.arange(length, device=dev)
         block = self.target.embed_tokens(tokens)
         mask = torch.cat([state.cache.valid, torch.ones(B, length, dtype=torch.bool, device=dev)], 1)
-        mask = mask[:, None, None, :].expand(B, 1, length, mask.shape[1])
+        mask = mask[:, None, :].expand(B, length, mask.shape[1])
         kv = [state.cache.layer(i) for i in range(len(self.model.layers))] if state.cache.keys[0] is not None \
             else [(block.new_zeros(B, self.cfg.num_key_value_heads, 0, self.cfg.head_dim),) * 2
                   for _ in self.model.layers]

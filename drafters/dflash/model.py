@@ -25,14 +25,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from specdec.drafters.dspark.heads import ConfidenceHead, build_markov_head
+from specdec.drafters.layers import GQAttention, attend, rope
 
-__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids", "rms_norm"]
+__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids"]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -45,23 +45,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     start, end = 1, L - 3
     ids = [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
     return sorted({min(max(i, 0), max(L - 2, 0)) for i in ids})
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -124,73 +107,45 @@ class BlockDraftConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def rotary(self) -> LlamaRotaryEmbedding:
-        cfg = LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-                          head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                          rope_parameters=dict(self.rope_parameters))
-        return LlamaRotaryEmbedding(cfg)
+    def layer_config(self) -> LlamaConfig:
+        """These shapes as a transformers Llama config, for the layers taken from transformers
+        (the MLP, the rotary embedding)."""
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu", mlp_bias=False,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x [B, heads, n, h] with cos/sin [B, n, h] (the half-split convention)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+class BlockAttention(GQAttention):
+    """Qwen3-style attention (per-head q/k norms) whose keys and values are the context's
+    followed by the block's own."""
 
-
-class BlockAttention(nn.Module):
     def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        D, H, G, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.H, self.G, self.h = H, G, h
-        self.q_proj = nn.Linear(D, H * h, bias=False)
-        self.k_proj = nn.Linear(D, G * h, bias=False)
-        self.v_proj = nn.Linear(D, G * h, bias=False)
-        self.o_proj = nn.Linear(H * h, D, bias=False)
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps)
+        D = cfg.hidden_size
+        super().__init__(D, D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (normed, rotated) and values of x [B, n, D] → [B, G, n, h] each."""
-        B, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, n, self.G, self.h)).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.G, self.h).transpose(1, 2)
-        return _rotate(k, cos, sin), v
+        return rope(self.heads(self.k_proj(x), self.k_norm), cos, sin), self.heads(self.v_proj(x))
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x [B, b, D] (normed block), ctx_k/v [B, G, c, h], cos/sin of the block [B, b, h],
-        mask [B, 1, b, c + b] bool (True = attend)."""
-        B, b, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, b, self.H, self.h)).transpose(1, 2)
-        q = _rotate(q, cos, sin)
+        mask [B, b, c + b] bool (True = attend)."""
+        q = rope(self.heads(self.q_proj(x), self.q_norm), cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
-        k, v = torch.cat([ctx_k, k_blk], 2), torch.cat([ctx_v, v_blk], 2)
-        if self.G != self.H:
-            k, v = k.repeat_interleave(self.H // self.G, 1), v.repeat_interleave(self.H // self.G, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, b, self.H * self.h))
-
-
-class BlockMLP(nn.Module):
-    def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.out(attend(q, torch.cat([ctx_k, k_blk], 2), torch.cat([ctx_v, v_blk], 2), mask))
 
 
 class BlockLayer(nn.Module):
     """A pre-norm decoder layer whose attention also reads the context K/V."""
 
-    def __init__(self, cfg: BlockDraftConfig):
+    def __init__(self, cfg: BlockDraftConfig, layer_config: LlamaConfig):
         super().__init__()
         self.self_attn = BlockAttention(cfg)
-        self.mlp = BlockMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(layer_config)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
@@ -204,12 +159,12 @@ class BlockDraftModel(nn.Module):
     def __init__(self, cfg: BlockDraftConfig):
         super().__init__()
         self.cfg = cfg
-        D = cfg.hidden_size
+        D, layer_config = cfg.hidden_size, cfg.layer_config()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
-        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([BlockLayer(cfg) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.rotary_emb = cfg.rotary()
+        self.hidden_norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([BlockLayer(cfg, layer_config) for _ in range(cfg.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(layer_config)
         self.t2d: Tensor | None
         self.register_buffer("t2d", None)  # optional draft vocabulary [V] bool (see set_draft_vocab)
         self.markov_head = build_markov_head(cfg.vocab_size, cfg.markov_rank, D, cfg.markov_head_type)
@@ -236,8 +191,7 @@ class BlockDraftModel(nn.Module):
         return logits if self.t2d is None else logits.masked_fill(~self.t2d, float("-inf"))
 
     def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotary_emb(x, positions)
-        return cos.to(x.dtype), sin.to(x.dtype)
+        return self.rotary(x, positions)
 
     def project_context(self, features: Tensor) -> Tensor:
         """features [B, c, m·D] (the target layer outputs, concatenated) → ctx [B, c, D]."""
@@ -249,7 +203,7 @@ class BlockDraftModel(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
-        """block [B, b, D] embeddings at positions [B, b]; mask [B, 1, b, c + b] bool.
+        """block [B, b, D] embeddings at positions [B, b]; mask [B, b, c + b] bool (True = attend).
         Returns the final-normed hidden states [B, b, D] (what the LM head reads)."""
         cos, sin = self.rope(block, positions)
         x = block

@@ -67,14 +67,14 @@ def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) ->
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
-    """[B, 1, A·b, T + A·b] bool: a block sees context before its anchor and its own block."""
+    """[B, A·b, T + A·b] bool: a block sees context before its anchor and its own block."""
     B, A = anchors.shape
     q_block = torch.arange(A * b) // b  # [Q]
     ctx = torch.arange(T).view(1, 1, T) < anchors[:, q_block].unsqueeze(-1)  # [B, Q, T]
     own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(B, -1, -1)  # [B, Q, Q]
     mask = torch.cat([ctx, own], -1) & keep[:, q_block].unsqueeze(-1)
     mask[..., T:] |= ~keep[:, q_block].unsqueeze(-1) & own  # padding blocks: attend to themselves only
-    return mask.unsqueeze(1)
+    return mask
 
 
 def block_forward(model: BlockDraftModel, embed: nn.Module, batch: BlockBatch, anchors: Tensor,
