@@ -32,7 +32,7 @@ from torch import Tensor
 
 from specdec.drafters.dflash.drafter import BlockDrafter, BlockState, tiny_block_config
 from specdec.drafters.dflash.model import BlockDraftModel, ContextKV
-from specdec.drafters.dspark.heads import sample_with_head
+from specdec.kernels.markov import markov_chain, markov_sample
 from specdec.models import cache_dir
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
@@ -40,10 +40,6 @@ from specdec.target import Target
 from specdec.types import DraftProposal
 
 __all__ = ["DSparkDrafter"]
-
-
-def _one_hot_argmax(logits: Tensor) -> Tensor:
-    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
 class DSparkDrafter(BlockDrafter):
@@ -91,9 +87,8 @@ class DSparkDrafter(BlockDrafter):
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
         base = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
         greedy = self.greedy_draft or rows.all_greedy
-        probs = _one_hot_argmax if greedy else rows.probs
-        u = rows.draft_uniform(k)
-        tokens, q = self._sample(base, state.anchors, hidden, probs, u, rows, greedy)
+        u = rows.draft_uniform(k)  # drawn when greedy too: the drafter's stream advances alike
+        tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)
         num_valid = None
         if self.model.confidence_head is not None:
             conf = self.confidences(hidden, state.anchors, tokens)
@@ -101,22 +96,21 @@ class DSparkDrafter(BlockDrafter):
             if self.scheduler:
                 assert self.costs is not None
                 num_valid = schedule(conf, self.costs, self.budget, self.ragged)
-        return DraftProposal.chain(tokens, None if greedy else q, num_valid)
+        return DraftProposal.chain(tokens, q, num_valid)
 
-    def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, probs, u: Tensor, rows: RowSampling,
-                greedy: bool) -> tuple[Tensor, Tensor]:
-        """Left-to-right Markov sampling. On a GPU, the vanilla head with a temperature-only warp
-        runs the fused kernel (:func:`specdec.kernels.markov.markov_sample`, same semantics)."""
+    def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, u: Tensor, rows: RowSampling,
+                greedy: bool) -> tuple[Tensor, Tensor | None]:
+        """Left-to-right Markov sampling (:func:`~specdec.kernels.markov.markov_chain`); q is None
+        when greedy. On a GPU, the vanilla head with a temperature-only warp runs the fused kernel
+        (:func:`~specdec.kernels.markov.markov_sample`, the same sampler)."""
         head = self.model.markov_head
         fused = (head is not None and head.kind == "vanilla" and base.device.type == "cuda" and not greedy
                  and bool((rows.top_k == 0).all()) and bool((rows.top_p >= 1).all()))
         if fused:
-            from specdec.kernels.markov import markov_sample
-
-            tokens, q = markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, rows.temperature, u)
-            assert q is not None
-            return tokens, q
-        return sample_with_head(base, anchors, head, hidden, probs, u)
+            assert head is not None
+            return markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, rows.temperature, u)
+        bias = None if head is None else head.sampler_bias(hidden)
+        return markov_chain(base, anchors, bias, None if greedy else rows.probs, u)
 
     def confidences(self, hidden: Tensor, anchors: Tensor, tokens: Tensor) -> Tensor:
         """Calibrated ``c_k`` for drafts ``tokens`` [B, γ] from the block hidden [B, γ, D]. [B, γ]"""
