@@ -181,9 +181,15 @@ def test_reads_zlab_and_speculators_layouts_and_round_trips(target, tmp_path):
                   {**weights, "verifier_lm_head.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)})
     for folder in (zlab, spec):
         loaded = load_block_draft(folder)
-        assert not loaded.cfg.anchor_predicts and loaded.cfg.target_layer_ids == cfg.target_layer_ids
+        assert type(loaded) is BlockDraftModel and loaded.cfg.target_layer_ids == cfg.target_layer_ids
         _same(loaded, d.model)
         DFlashDrafter.create(target, checkpoint=str(folder))  # binds
+    # a speculators file whose anchor drafts is a DSpark backbone without heads (DSpark registers it)
+    anchored = _write(tmp_path / "spec_anchor", {**json.loads((spec / "config.json").read_text()),
+                                                 "speculators_model_type": "dspark", "sample_from_anchor": True}, weights)
+    loaded = load_block_draft(anchored)
+    assert loaded.cfg.anchor_predicts and loaded.cfg.markov_rank == 0 and not loaded.cfg.enable_confidence_head
+    _same(loaded, d.model)
     saved = save_block_draft(d.model, tmp_path / "ours", dtype=torch.float32)
     assert json.loads((saved / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     _same(load_block_draft(saved), d.model)

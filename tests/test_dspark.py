@@ -12,6 +12,7 @@ import torch
 from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dspark.drafter import DSparkDrafter
 from specdec.drafters.dspark.heads import MarkovHead, calibrate_temperatures, expected_calibration_error
+from specdec.drafters.dspark.model import DSparkModel
 from specdec.kernels.markov import markov_chain, markov_sample_reference
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
@@ -81,7 +82,7 @@ def test_confidences_are_probabilities_and_temperatures_apply(target):
     rows = RowSampling([SamplingParams(temperature=1.0, seed=3)])
     state = _start(target, d, [1, 2, 3, 4, 5], rows)
     d.propose(state, 4, rows)
-    c = state.extra["conf"]
+    c = state.conf
     assert c.shape == (1, 4) and bool(((c > 0) & (c < 1)).all())
     hidden = d.block_hidden(state, 4)
     tokens = torch.zeros(1, 4, dtype=torch.long)
@@ -181,7 +182,7 @@ def test_reads_and_writes_the_deepspec_layout(target, tmp_path):
         config = json.loads((folder / "config.json").read_text())
         assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_head_type"] == kind
         loaded = load_block_draft(folder)
-        assert loaded.cfg.anchor_predicts and loaded.cfg.confidence_temperatures == [1.5, 1.0]
+        assert isinstance(loaded, DSparkModel) and loaded.cfg.confidence_temperatures == [1.5, 1.0]
         for k, v in d.model.state_dict().items():
             torch.testing.assert_close(loaded.state_dict()[k], v)
     names = set(loaded.state_dict())

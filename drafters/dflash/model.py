@@ -1,4 +1,4 @@
-"""The block-parallel draft network shared by DFlash and DSpark.
+"""DFlash's block-parallel draft network (the backbone DSpark extends in :mod:`specdec.drafters.dspark.model`).
 
 One forward drafts a whole block. The block's inputs are ``[anchor, MASK × (b−1)]`` (the target's
 frozen embeddings); queries come from the block only, and attention inside the block is
@@ -22,14 +22,13 @@ Shape symbols: ``B`` rows, ``b`` block length, ``c`` context tokens, ``D`` draft
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specdec.drafters.dspark.heads import ConfidenceHead, build_markov_head
 from specdec.drafters.layers import GQAttention, attend, rope
 
 __all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids"]
@@ -51,6 +50,7 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 class BlockDraftConfig:
     """Everything that shapes the network; stored in the checkpoint's ``config.json``."""
 
+    anchor_predicts: ClassVar[bool] = False  # block position 0 (the anchor) drafts too (DSpark's blocks)
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -65,13 +65,6 @@ class BlockDraftConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 32768
-    # DSpark only (0 / False for DFlash)
-    anchor_predicts: bool = False  # block position 0 (the anchor) drafts the first token
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = True
-    confidence_temperatures: list[float] | None = None  # post-hoc calibration, one per position
 
     def __post_init__(self) -> None:
         ids = list(self.target_layer_ids)
@@ -83,14 +76,10 @@ class BlockDraftConfig:
             raise ValueError(f"target_layer_ids must be strictly increasing, got {ids}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
-        if self.block_size < 2 - int(self.anchor_predicts):
+        if self.num_drafts < 1:
             raise ValueError(f"block_size {self.block_size} drafts nothing")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
-            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank <= 0:
-            raise ValueError("a confidence head with markov features needs markov_rank > 0")
 
     def check_target(self, num_target_layers: int) -> None:
         """Ids name layer outputs, 0-indexed; −1 is the embedding output (DeepSpec's convention)."""
@@ -154,7 +143,11 @@ class BlockLayer(nn.Module):
 
 class BlockDraftModel(nn.Module):
     """The backbone; parameter names are the z-lab DFlash checkpoint's (``layers.{i}.*``, ``fc``,
-    ``hidden_norm``, ``norm``). DSpark's heads live beside it (:mod:`specdec.drafters.dspark.heads`)."""
+    ``hidden_norm``, ``norm``). A family that extends it (DSpark) subclasses both this and
+    :class:`BlockDraftConfig`, adds its heads, and overrides :meth:`draft_bias` and
+    :meth:`confidence_logits`, which training reads."""
+
+    config_class: ClassVar[type[BlockDraftConfig]] = BlockDraftConfig
 
     def __init__(self, cfg: BlockDraftConfig):
         super().__init__()
@@ -167,9 +160,6 @@ class BlockDraftModel(nn.Module):
         self.rotary = LlamaRotaryEmbedding(layer_config)
         self.t2d: Tensor | None
         self.register_buffer("t2d", None)  # optional draft vocabulary [V] bool (see set_draft_vocab)
-        self.markov_head = build_markov_head(cfg.vocab_size, cfg.markov_rank, D, cfg.markov_head_type)
-        self.confidence_head = (ConfidenceHead(D, cfg.markov_rank if cfg.confidence_head_with_markov else 0)
-                                if cfg.enable_confidence_head else None)
 
     def init_weights(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -210,6 +200,17 @@ class BlockDraftModel(nn.Module):
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, k, v, cos, sin, mask)
         return self.norm(x)
+
+    def draft_bias(self, prev: Tensor, hidden: Tensor, vocab: Tensor | None = None) -> Tensor | None:
+        """A bias on the logits of drafts whose previous tokens are ``prev`` [..., γ], given their
+        block hidden states [..., γ, D], teacher-forced (over the ``vocab`` columns only when given):
+        [..., γ, V or S]. None: DFlash's drafts are independent given the block."""
+        return None
+
+    def confidence_logits(self, hidden: Tensor, prev: Tensor) -> Tensor | None:
+        """Per-draft acceptance logits [..., γ] from the block hidden [..., γ, D] and previous
+        tokens [..., γ]. None: DFlash predicts no confidences."""
+        return None
 
 
 class ContextKV:

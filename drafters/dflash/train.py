@@ -117,8 +117,8 @@ def block_loss(model: BlockDraftModel, embed: nn.Module, lm_head: nn.Module, bat
     prev = torch.cat([block_tokens[:, :, :1], labels[..., :-1]], -1)  # teacher-forced x_{k−1}
     head_w = lm_head.weight if vocab is None else lm_head.weight[vocab.to(dev)]
     logits = F.linear(h, head_w).float()  # [B, A, γ, V or S]
-    if model.markov_head is not None:
-        bias = model.markov_head.block_bias(prev.to(dev), h, None if vocab is None else vocab.to(dev))
+    bias = model.draft_bias(prev.to(dev), h, None if vocab is None else vocab.to(dev))
+    if bias is not None:
         logits = logits + bias.float()
     if vocab is not None:  # labels as indices into the subset; outside it: out of the loss
         index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long)
@@ -146,10 +146,8 @@ def block_loss(model: BlockDraftModel, embed: nn.Module, lm_head: nn.Module, bat
     accept = (1 - 0.5 * tv).clamp(0, 1)
     loss = ce_alpha * ce + l1_alpha * l1
     bce = torch.zeros(())
-    conf_logits = None
-    if model.confidence_head is not None:
-        emb = model.markov_head.prev_embed(prev.to(dev)) if (cfg.confidence_head_with_markov and model.markov_head) else None
-        conf_logits = model.confidence_head(h, emb)
+    conf_logits = model.confidence_logits(h, prev.to(dev))
+    if conf_logits is not None:
         bce = (F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none") * w).sum() / wsum
         loss = loss + conf_alpha * bce
     acc = [float((accept[..., j].detach() * valid[..., j].to(dev)).sum() / valid[..., j].sum().clamp(min=1))
