@@ -16,8 +16,11 @@ verifier sees is exact over the target's vocabulary and zero outside the draft's
 
 Parameter names are the speculators format's (``fc``, ``layers.0.*``, ``norm``, ``lm_head``,
 ``d2t``, ``t2d``, optional ``embed_tokens``); :mod:`specdec.drafters.eagle3.checkpoint` reads and
-writes files. Attention is left to the caller (:meth:`Eagle3Layer.qkv` then :meth:`Eagle3Layer.finish`),
-because decoding (a cache plus a tree) and training (unrolled steps) mask it differently.
+writes files. Attention is left to the caller (:meth:`Eagle3Layer.qkv`, then
+:func:`~specdec.drafters.layers.attend`, re-exported here, then :meth:`Eagle3Layer.finish`),
+because decoding (a cache plus a tree) and training (unrolled steps) mask it differently. The
+layers are the ones every draft network shares (:mod:`specdec.drafters.layers` and transformers'
+Llama norm, MLP and rotary embedding).
 
 Shapes: ``B`` rows, ``m`` tokens, ``D`` target hidden size, ``d`` draft hidden size, ``V`` target
 vocabulary, ``Vd`` draft vocabulary, ``H``/``Hkv`` heads, ``hd`` head size.
