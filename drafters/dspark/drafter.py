@@ -46,6 +46,8 @@ __all__ = ["DSparkDrafter", "DSparkState"]
 
 @dataclass
 class DSparkState(BlockState):
+    """DFlash's block state plus what the prefix scheduler carries from step to step."""
+
     probe_gap: int  # steps the scheduler may skip before it drafts again to re-probe
     skipped: int = 0  # steps skipped since the last draft
     conf: Tensor | None = None  # [B, γ] the last drafts' calibrated confidences

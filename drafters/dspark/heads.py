@@ -52,21 +52,16 @@ class MarkovHead(nn.Module):
     def prev_embed(self, tokens: Tensor) -> Tensor:
         return self.markov_w1(tokens.long())
 
-    def step(self, prev: Tensor, h: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Bias [..., V] for one position from the previous token [...] and the backbone hidden
-        h [..., d]; ``state`` is the rnn head's recurrent state [..., r] (None at k = 1)."""
-        latent, state = self._latent(prev, h, state)
-        return self.markov_w2(latent), state
-
     def sampler_bias(self, hidden: Tensor | None) -> BiasFn:
-        """The bias of each block position in turn, for left-to-right sampling with the block's
-        hidden states [B, γ, d] (read by gated / rnn heads); the rnn state is carried between calls."""
+        """The bias [B, V] of each block position in turn from the previous token [B], for
+        left-to-right sampling with the block's hidden states [B, γ, d] (read by gated / rnn
+        heads); the rnn state [B, r] is carried from call to call."""
         state: Tensor | None = None
 
         def bias(k: int, prev: Tensor) -> Tensor:
             nonlocal state
-            out, state = self.step(prev, None if hidden is None else hidden[:, k], state)
-            return out
+            latent, state = self._latent(prev, None if hidden is None else hidden[:, k], state)
+            return self.markov_w2(latent)  # [B, V]
 
         return bias
 
