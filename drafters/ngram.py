@@ -65,8 +65,6 @@ class NgramDrafter(Drafter):
         return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev))
 
     def observe(self, state: list[list[int]], committed: Committed) -> None:
-        ver = committed.verification
-        assert ver is not None
         for h, toks, n, nxt in zip(state, committed.tokens.tolist(), committed.num_tokens.tolist(),
                                    committed.next_tokens.tolist()):
             h.extend(toks[1:n])  # toks[0] is the previous next token, already in the history

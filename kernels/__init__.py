@@ -16,7 +16,7 @@ if __name__ != "specdec.kernels":  # the bare name `kernels` belongs to another 
 
 from specdec.kernels.compaction import gather_slots, gather_slots_reference
 from specdec.kernels.dispatch import backend_for, platform, triton_available, use_backend
-from specdec.kernels.markov import markov_sample, markov_sample_reference
+from specdec.kernels.markov import markov_chain, markov_sample, markov_sample_reference
 from specdec.kernels.norm_concat_linear import (fused_norm_concat_linear, norm_concat_linear,
                                                 norm_concat_linear_reference, rms_norm_params)
 from specdec.kernels.rejection import rejection_sample, rejection_sample_reference
@@ -24,5 +24,5 @@ from specdec.kernels.rejection import rejection_sample, rejection_sample_referen
 __all__ = ["backend_for", "platform", "triton_available", "use_backend",
            "rejection_sample", "rejection_sample_reference",
            "fused_norm_concat_linear", "norm_concat_linear", "norm_concat_linear_reference", "rms_norm_params",
-           "markov_sample", "markov_sample_reference",
+           "markov_chain", "markov_sample", "markov_sample_reference",
            "gather_slots", "gather_slots_reference"]

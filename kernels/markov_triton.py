@@ -13,7 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from specdec.kernels.dispatch import interpreting
-from specdec.kernels.rejection_triton import _exp_shifted, _rescaled
+from specdec.kernels.rejection_triton import _online_softmax
 from specdec.kernels.tuning import row_configs
 
 __all__ = ["markov_sample_triton"]
@@ -59,11 +59,7 @@ def _markov_kernel(
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK).to(tl.int64)
             s = _scaled(U_row, W2_ptr, h, offs, offs < V, t, R, R_POW2)
-            bm = tl.max(s, 0)
-            amax = tl.where(bm > m, tl.min(tl.where(s == bm, offs, V), 0), amax)
-            new_m = tl.maximum(m, bm)
-            z = _rescaled(z, m, new_m) + tl.sum(_exp_shifted(s, new_m), 0)
-            m = new_m
+            m, z, amax = _online_softmax(s, offs, V, m, z, amax)
         x = amax
         if WRITE_Q:
             # pass 2: q (one-hot for a greedy row) and its float64 total, as the inverse CDF sums it

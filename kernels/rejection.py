@@ -1,14 +1,22 @@
 """Speculative rejection sampling for chains and trees, as one call per verify step.
 
-Per row, nodes are visited in index order; node ``j`` is a candidate when its parent is the
-row's current node and ``j < num_valid``. Its token ``x`` is accepted when ``u_j·q_j(x) < p(x)``
-(probability ``min(1, p/q)``, Leviathan et al. 2023, arXiv 2211.17192); acceptance descends to
-``j``, rejection replaces ``p`` by the residual ``norm(max(0, p − q_j))`` (recursive rejection
-sampling over siblings, as :mod:`specdec.verifiers.walk` explains). The emitted token after the
-walk is drawn from the final distribution by an **exponential race**: ``argmax_i r_i / E_i`` over
-``r_i > 0`` with ``E_i ~ Exp(1)``, which picks ``i`` with probability ``r_i / Σr``. The race
-needs no normalisation and no prefix sum, so the kernel samples in the same single pass over the
-vocabulary that computes the residual.
+**The tree walk** (:func:`tree_walk`, the one statement of the rule every verifier follows).
+Per row, nodes are visited in index order (parents before children, siblings in the order they
+were drawn); node ``j`` is a candidate when its parent is the row's current node and
+``j < num_valid``. Its token ``x`` is accepted when ``u_j·q_j(x) < p(x)`` (probability
+``min(1, p/q)``, Leviathan et al. 2023, arXiv 2211.17192); acceptance descends to ``j`` and the
+target distribution becomes the target's at ``j``; rejection replaces ``p`` by the residual
+``norm(max(0, p − q_j))`` (recursive rejection sampling, Jeon et al. 2024, "Recursive
+Speculative Decoding"), which is exactly lossless when ``q_j`` is the distribution ``j`` was
+drawn from given its parent and earlier siblings: the same q for i.i.d. siblings, renormalised
+for siblings drawn without replacement, one-hot for deterministic ones. A chain is the special
+case with one child per node, where the rule is the standard speculative-sampling rule. The
+typical verifier walks the same tree with its own acceptance rule and no residual.
+
+The emitted token after the walk is drawn from the final distribution by an **exponential
+race**: ``argmax_i r_i / E_i`` over ``r_i > 0`` with ``E_i ~ Exp(1)``, which picks ``i`` with
+probability ``r_i / Σr``. The race needs no normalisation and no prefix sum, so the kernel
+samples in the same single pass over the vocabulary that computes the residual.
 
 **The distribution is kept unnormalised**, ``p = r / mass``, and every test is written without
 a division: accept iff ``(u·q(x))·mass < r(x)``; a residual is ``max(0, r − q·mass)`` with mass
@@ -33,13 +41,26 @@ Shapes: ``B`` rows, ``n`` nodes, ``V`` vocabulary. Tests: ``tests/test_kernels.p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from specdec.kernels.dispatch import backend_for
 from specdec.types import Verification
 
-__all__ = ["rejection_sample", "rejection_sample_reference", "race"]
+__all__ = ["rejection_sample", "rejection_sample_reference", "race", "tree_walk", "Walk", "AcceptRule",
+           "rejection_accept"]
+
+# accept(r [B, V] unnormalised target distribution, mass [B] its sum, x [B] draft tokens,
+#        qx [B] = q_j(x), u [B] uniforms) → bool [B]
+AcceptRule = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def rejection_accept(r: Tensor, mass: Tensor, x: Tensor, qx: Tensor, u: Tensor) -> Tensor:
+    """Accept with probability ``min(1, p(x)/q(x))``, ``p = r/mass``, written without a division."""
+    return (u * qx) * mass < r.gather(1, x.unsqueeze(1)).squeeze(1)
 
 
 def race(r: Tensor, noise: Tensor | None) -> Tensor:
@@ -76,13 +97,34 @@ def _residual(R: Tensor, mass: Tensor, q: Tensor | None, j: int, x: Tensor) -> T
     return (R - q[:, j].float() * mass.unsqueeze(1)).clamp(min=0)
 
 
-def rejection_sample_reference(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tensor,
-                               noise: Tensor | None, q: Tensor | None = None, *, probs: Tensor | None = None,
-                               logits: Tensor | None = None, temperature: Tensor | None = None) -> Verification:
-    """The specification, in torch. tokens, parents [B, n]; num_valid [B]; u [B, n] float32;
-    noise [B, V] Exp(1) or None (argmax, for greedy); q [B, n, V] or None (deterministic)."""
+@dataclass
+class Walk:
+    """Where the walk of every row ended."""
+
+    tokens: Tensor  # [B, n] the draft tokens, clamped into [0, V)
+    path: Tensor  # [B, n] accepted node indices in order, -1 after
+    num_accepted: Tensor  # [B]
+    r: Tensor  # [B, V] the unnormalised distribution at the end (the accepted node's, or a residual)
+    mass: Tensor  # [B] its sum
+    pending: Tensor  # [B] the rejected node whose residual the emitted token comes from, -1 for none
+
+    def verification(self, final: Tensor) -> Verification:
+        """The accepted drafts followed by the emitted token ``final`` [B]."""
+        B, n = self.tokens.shape
+        out = torch.full((B, n + 1), -1, dtype=torch.long, device=self.tokens.device)
+        if n:
+            out[:, :n] = torch.where(self.path >= 0, self.tokens.gather(1, self.path.clamp(min=0)), -1)
+        out[torch.arange(B, device=out.device), self.num_accepted] = final
+        return Verification(path=self.path, num_accepted=self.num_accepted, tokens=out)
+
+
+def tree_walk(tokens: Tensor, parents: Tensor, num_valid: Tensor, rbase: Tensor, mbase: Tensor, u: Tensor,
+              q: Tensor | None, accept: AcceptRule = rejection_accept, residual: bool = True) -> Walk:
+    """The walk of every row down its proposal. tokens, parents [B, n]; num_valid [B];
+    rbase [B, n+1, V] unnormalised target distributions (root first) and mbase [B, n+1] their
+    sums; u [B, n]; q [B, n, V] or None (deterministic drafts). ``residual=False`` keeps ``p``
+    after a rejection (the typical verifier)."""
     B, n = tokens.shape
-    rbase, mbase = _base(probs, logits, temperature)
     V = rbase.shape[-1]
     dev = rbase.device
     rows = torch.arange(B, device=dev)
@@ -99,39 +141,45 @@ def rejection_sample_reference(tokens: Tensor, parents: Tensor, num_valid: Tenso
             continue
         x = x_all[:, j]
         qx = torch.ones(B, device=dev) if q is None else q[:, j].float().gather(1, x.unsqueeze(1)).squeeze(1)
-        rx = R.gather(1, x.unsqueeze(1)).squeeze(1)
-        ok = cand & ((u[:, j].float() * qx) * mass < rx)
+        ok = cand & accept(R, mass, x, qx, u[:, j].float())
         rejected = cand & ~ok
-        sibling_follows = ((parents[:, j + 1:] == cur.unsqueeze(1)) & valid[:, j + 1:]).any(1)
-        now = rejected & sibling_follows
-        if bool(now.any()):
-            resid = _residual(R, mass, q, j, x)
-            rmass = resid.sum(-1)
-            take = now & (rmass > 0)  # rmass == 0 only if p == q_j: acceptance was certain
-            R = torch.where(take.unsqueeze(1), resid, R)
-            mass = torch.where(take, rmass, mass)
-        pending = torch.where(rejected & ~sibling_follows, j, pending)
+        if residual:
+            sibling_follows = ((parents[:, j + 1:] == cur.unsqueeze(1)) & valid[:, j + 1:]).any(1)
+            now = rejected & sibling_follows
+            if bool(now.any()):
+                resid = _residual(R, mass, q, j, x)
+                rmass = resid.sum(-1)
+                take = now & (rmass > 0)  # rmass == 0 only if p == q_j: acceptance was certain
+                R = torch.where(take.unsqueeze(1), resid, R)
+                mass = torch.where(take, rmass, mass)
+            pending = torch.where(rejected & ~sibling_follows, j, pending)
         R = torch.where(ok.unsqueeze(1), rbase[:, j + 1], R)
         mass = torch.where(ok, mbase[:, j + 1], mass)
         path[rows[ok], acc[ok]] = j
         acc = acc + ok.long()
         cur = torch.where(ok, j, cur)
-    final = race(R, noise)
-    if bool((pending >= 0).any()):
-        pj = pending.clamp(min=0)
+    return Walk(x_all, path, acc, R, mass, pending)
+
+
+def rejection_sample_reference(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tensor,
+                               noise: Tensor | None, q: Tensor | None = None, *, probs: Tensor | None = None,
+                               logits: Tensor | None = None, temperature: Tensor | None = None) -> Verification:
+    """The specification, in torch. tokens, parents [B, n]; num_valid [B]; u [B, n] float32;
+    noise [B, V] Exp(1) or None (argmax, for greedy); q [B, n, V] or None (deterministic)."""
+    rbase, mbase = _base(probs, logits, temperature)
+    w = tree_walk(tokens, parents, num_valid, rbase, mbase, u, q)
+    final = race(w.r, noise)
+    if bool((w.pending >= 0).any()):
+        pj = w.pending.clamp(min=0)
         if q is None:
-            resid = R.scatter(1, x_all.gather(1, pj.unsqueeze(1)), 0.0)
+            resid = w.r.scatter(1, w.tokens.gather(1, pj.unsqueeze(1)), 0.0)
         else:
-            qp = q.float()[rows, pj]
-            resid = (R - qp * mass.unsqueeze(1)).clamp(min=0)
+            qp = q.float()[torch.arange(q.shape[0], device=q.device), pj]
+            resid = (w.r - qp * w.mass.unsqueeze(1)).clamp(min=0)
         resid_token = race(resid, noise)
-        use = (pending >= 0) & (resid > 0).any(-1)
+        use = (w.pending >= 0) & (resid > 0).any(-1)
         final = torch.where(use, resid_token, final)
-    out = torch.full((B, n + 1), -1, dtype=torch.long, device=dev)
-    if n:
-        out[:, :n] = torch.where(path >= 0, x_all.gather(1, path.clamp(min=0)), -1)
-    out[rows, acc] = final
-    return Verification(path=path, num_accepted=acc, tokens=out)
+    return w.verification(final)
 
 
 def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tensor, noise: Tensor | None,

@@ -36,13 +36,20 @@ def _stats(src_ptr, V, t, BLOCK: tl.constexpr):
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK).to(tl.int64)
         s = tl.math.div_rn(tl.load(src_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32), t)
-        bm = tl.max(s, 0)
-        bi = tl.min(tl.where(s == bm, offs, V), 0)
-        amax = tl.where(bm > m, bi, amax)  # strict: an earlier block keeps a tie
-        new_m = tl.maximum(m, bm)
-        z = _rescaled(z, m, new_m) + tl.sum(_exp_shifted(s, new_m), 0)
-        m = new_m
+        m, z, amax = _online_softmax(s, offs, V, m, z, amax)
     return m, z, amax
+
+
+@triton.jit
+def _online_softmax(s, offs, V, m, z, amax):
+    """Fold one block of scaled logits ``s`` at ``offs`` (−inf where masked) into the running
+    (max, Σ exp(s − max), first argmax)."""
+    bm = tl.max(s, 0)
+    bi = tl.min(tl.where(s == bm, offs, V), 0)
+    amax = tl.where(bm > m, bi, amax)  # strict: an earlier block keeps a tie
+    new_m = tl.maximum(m, bm)
+    z = _rescaled(z, m, new_m) + tl.sum(_exp_shifted(s, new_m), 0)
+    return new_m, z, amax
 
 
 @triton.jit

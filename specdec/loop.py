@@ -165,7 +165,7 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
             positions=base.unsqueeze(1) + torch.arange(n + 1, device=dev), next_tokens=ver.next_tokens,
             active=active.to(dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
             final_hidden=None if out.final_hidden is None else _gather(out.final_hidden, order),
-            proposal=proposal, verification=ver, target_cache=shared_cache,
+            verification=ver, target_cache=shared_cache,
         )
         te = clock()
         if drafter is not None:

@@ -129,6 +129,11 @@ class Target:
                 kv_shared=bool(getattr(attn, "is_kv_shared_layer", False))))
         return specs
 
+    def final_norm_weight(self) -> Tensor:
+        """The final norm's weight [D] (a drafter whose output feeds the target's LM head may start
+        its own output norm there)."""
+        return self.final_norm.weight.detach()
+
     def has_rotary(self) -> bool:
         """Whether the decoder owns one rotary embedding (Llama, Qwen3, Gemma, DeepSeek-V3)."""
         return getattr(self.decoder, "rotary_emb", None) is not None

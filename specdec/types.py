@@ -175,6 +175,5 @@ class Committed:
     active: Tensor  # [B] bool: rows still generating
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer id -> [B, m, D]
     final_hidden: Tensor | None = None  # [B, m, D]
-    proposal: DraftProposal | None = None  # None at the prefill
     verification: Verification | None = None  # None at the prefill
     target_cache: KVStore | None = None  # read-only; only for drafters that declare target_cache

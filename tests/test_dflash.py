@@ -59,7 +59,7 @@ def test_block_attention_is_non_causal_and_reads_only_the_context(target):
     kv = m.context_kv(ctx, torch.arange(6)[None])
     block = torch.randn(1, 4, cfg.hidden_size)
     pos = torch.arange(6, 10)[None]
-    mask = torch.ones(1, 1, 4, 10, dtype=torch.bool)
+    mask = torch.ones(1, 4, 10, dtype=torch.bool)
     with torch.no_grad():
         h = m(block, pos, kv, mask)
         changed = block.clone()
@@ -90,15 +90,16 @@ def test_context_cache_extended_over_steps_equals_a_fresh_start(target):
     torch.testing.assert_close(h_stateful, h_fresh, atol=1e-5, rtol=1e-5)
 
 
-def test_context_kv_crop_and_compact():
+def test_context_kv_compact_moves_valid_slots_to_the_front():
     c = ContextKV(2, 1, torch.device("cpu"), torch.float32)
     k = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4, 1)
     c.append([(k, k)], torch.tensor([4, 2]))
-    c.crop(torch.tensor([1, 1]))
-    assert c.lengths.tolist() == [3, 1]
+    c.append([(k[:, :, :2] + 10, k[:, :, :2] + 10)], torch.tensor([0, 2]))
+    assert c.lengths.tolist() == [4, 4] and c.valid.shape == (2, 6)
     c.compact()
     keys, _ = c.layer(0)
-    assert keys.shape[2] == 3 and keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0] and keys[1, 0, 0, 0] == 4.0
+    assert keys.shape[2] == 4 and bool(c.valid.all())
+    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and keys[1, 0, :, 0].tolist() == [4.0, 5.0, 14.0, 15.0]
 
 
 def test_same_drafts_as_transformers_dflash_candidate_generator(target):
@@ -166,7 +167,7 @@ def _same(a: BlockDraftModel, b: BlockDraftModel) -> None:
 
 def test_reads_zlab_and_speculators_layouts_and_round_trips(target, tmp_path):
     d = DFlashDrafter.tiny(target)
-    cfg, weights = d.cfg, {k: v for k, v in d.model.state_dict().items() if not k.startswith("rotary_emb.")}
+    cfg, weights = d.cfg, d.model.state_dict()
     extra = {"embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)}  # skipped: the target's is used
     zlab = _write(tmp_path / "zlab", {"architectures": ["DFlashDraftModel"], **_arch(cfg), "block_size": cfg.block_size,
                                       "num_target_layers": target.num_layers,
@@ -180,9 +181,15 @@ def test_reads_zlab_and_speculators_layouts_and_round_trips(target, tmp_path):
                   {**weights, "verifier_lm_head.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)})
     for folder in (zlab, spec):
         loaded = load_block_draft(folder)
-        assert not loaded.cfg.anchor_predicts and loaded.cfg.target_layer_ids == cfg.target_layer_ids
+        assert type(loaded) is BlockDraftModel and loaded.cfg.target_layer_ids == cfg.target_layer_ids
         _same(loaded, d.model)
         DFlashDrafter.create(target, checkpoint=str(folder))  # binds
+    # a speculators file whose anchor drafts is a DSpark backbone without heads (DSpark registers it)
+    anchored = _write(tmp_path / "spec_anchor", {**json.loads((spec / "config.json").read_text()),
+                                                 "speculators_model_type": "dspark", "sample_from_anchor": True}, weights)
+    loaded = load_block_draft(anchored)
+    assert loaded.cfg.anchor_predicts and loaded.cfg.markov_rank == 0 and not loaded.cfg.enable_confidence_head
+    _same(loaded, d.model)
     saved = save_block_draft(d.model, tmp_path / "ours", dtype=torch.float32)
     assert json.loads((saved / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
     _same(load_block_draft(saved), d.model)

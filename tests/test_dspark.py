@@ -10,13 +10,9 @@ import torch
 
 from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dspark.drafter import DSparkDrafter
-from specdec.drafters.dspark.heads import (
-    MarkovHead,
-    calibrate_temperatures,
-    expected_calibration_error,
-    markov_sample,
-    sample_with_head,
-)
+from specdec.drafters.dspark.heads import MarkovHead, calibrate_temperatures, expected_calibration_error
+from specdec.drafters.dspark.model import DSparkModel
+from specdec.kernels.markov import markov_chain, markov_sample_reference
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
 from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
@@ -42,7 +38,7 @@ def test_markov_q_is_exactly_what_each_token_was_drawn_from(kind):
     anchors, u = torch.randint(0, V, (B,)), torch.rand(B, gamma, dtype=torch.float64)
     probs = _warp()
     with torch.no_grad():
-        tokens, q = sample_with_head(base, anchors, head, hidden, probs, u)
+        tokens, q = markov_chain(base, anchors, head.sampler_bias(hidden), probs, u)
         prev = torch.cat([anchors[:, None], tokens[:, :-1]], 1)
         expect = torch.stack([probs(x) for x in (base + head.block_bias(prev, hidden)).unbind(1)], 1)
     torch.testing.assert_close(q, expect)  # teacher-forced on the drawn tokens: the same distributions
@@ -51,33 +47,25 @@ def test_markov_q_is_exactly_what_each_token_was_drawn_from(kind):
         assert bool((q[:, k].gather(1, tokens[:, k:k + 1]) > 0).all())
 
 
-def test_markov_sample_reference_matches_the_vanilla_head():
-    torch.manual_seed(1)
-    head = MarkovHead(V, 6, 8, "vanilla")
-    base, anchors = torch.randn(2, 4, V), torch.randint(0, V, (2,))
-    u = torch.rand(2, 4, dtype=torch.float64)
-    with torch.no_grad():
-        a = markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, _warp(B=2), u)
-        b = sample_with_head(base, anchors, head, None, _warp(B=2), u)
-    assert torch.equal(a[0], b[0])
-    torch.testing.assert_close(a[1], b[1])
-
-
-def test_markov_sample_agrees_with_the_kernels_reference():
-    """The fused kernel's specification (temperature-only warp) is this sampler's semantics."""
-    from specdec.kernels.markov import markov_sample_reference
-
+@pytest.mark.parametrize("temperature", [[0.7, 1.0, 1.3], [0.0, 0.0, 0.0]])
+def test_the_vanilla_head_samples_as_the_kernels_reference(temperature):
+    """The fused kernel's specification (raw weights, temperature-only warp) is what the drafter's
+    vanilla head draws, greedy included (argmax, no q)."""
     torch.manual_seed(2)
     head = MarkovHead(V, 6, 8, "vanilla")
     base, anchors = torch.randn(3, 4, V) * 2, torch.randint(0, V, (3,))
     u = torch.rand(3, 4, dtype=torch.float64)
-    temp = torch.tensor([0.7, 1.0, 1.3])
-    w1, w2 = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
-    ours = markov_sample(base, anchors, w1, w2, lambda x: warp(x, temp, torch.zeros(3, dtype=torch.long),
-                                                                torch.ones(3)), u)
-    theirs = markov_sample_reference(base, anchors, w1, w2, temp, u)
+    temp = torch.tensor(temperature)
+    greedy = not bool(temp.any())
+    probs = None if greedy else (lambda x: warp(x, temp, torch.zeros(3, dtype=torch.long), torch.ones(3)))
+    with torch.no_grad():
+        ours = markov_chain(base, anchors, head.sampler_bias(None), probs, u)
+        theirs = markov_sample_reference(base, anchors, head.markov_w1.weight, head.markov_w2.weight, temp, u)
     assert torch.equal(ours[0], theirs[0])
-    torch.testing.assert_close(ours[1], theirs[1])
+    if greedy:
+        assert ours[1] is None and theirs[1] is None
+    else:
+        torch.testing.assert_close(ours[1], theirs[1])
 
 
 def test_markov_bias_depends_on_the_previous_token_not_the_position():
@@ -93,7 +81,7 @@ def test_confidences_are_probabilities_and_temperatures_apply(target):
     rows = RowSampling([SamplingParams(temperature=1.0, seed=3)])
     state = _start(target, d, [1, 2, 3, 4, 5], rows)
     d.propose(state, 4, rows)
-    c = state.extra["conf"]
+    c = state.conf
     assert c.shape == (1, 4) and bool(((c > 0) & (c < 1)).all())
     hidden = d.block_hidden(state, 4)
     tokens = torch.zeros(1, 4, dtype=torch.long)
@@ -193,7 +181,7 @@ def test_reads_and_writes_the_deepspec_layout(target, tmp_path):
         config = json.loads((folder / "config.json").read_text())
         assert config["architectures"] == ["Qwen3DSparkModel"] and config["markov_head_type"] == kind
         loaded = load_block_draft(folder)
-        assert loaded.cfg.anchor_predicts and loaded.cfg.confidence_temperatures == [1.5, 1.0]
+        assert isinstance(loaded, DSparkModel) and loaded.cfg.confidence_temperatures == [1.5, 1.0]
         for k, v in d.model.state_dict().items():
             torch.testing.assert_close(loaded.state_dict()[k], v)
     names = set(loaded.state_dict())

@@ -127,20 +127,18 @@ def test_typical_acceptance_is_detectably_lossy():
     assert chi_square(torch.bincount(v.tokens[:, 0], minlength=V), p) < 1e-6
 
 
-def test_kernel_reference_accepts_exactly_as_the_walk_on_chains():
-    """Same uniforms, same acceptance decisions as the plain walk (only the emitted token's draw
-    changed, from inverse CDF to the exponential race)."""
-    from specdec.kernels import rejection_sample_reference
-    from specdec.verifiers.walk import walk
-
-    g = torch.Generator().manual_seed(3)
-    B, n = 200, 4
-    p = _random_dists(7, (B, n + 1))
-    q = (p[:, 1:].log() + torch.randn(B, n, V, generator=g)).softmax(-1)
-    tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, n)
-    proposal = DraftProposal.chain(tokens, q, num_valid=torch.randint(0, n + 1, (B,), generator=g))
-    u = torch.rand(B, n, generator=g)
-    ours = rejection_sample_reference(tokens, proposal.parents, proposal.num_valid, u,
-                                      torch.empty(B, V).exponential_(generator=g), q, probs=p)
-    theirs = walk(p, proposal, u.double(), torch.rand(B, dtype=torch.float64, generator=g))
-    assert torch.equal(ours.path, theirs.path) and 0 < int(ours.num_accepted.sum()) < B * n
+def test_typical_acceptance_walks_the_tree_by_its_threshold():
+    """The shared tree walk with the typical rule: a node is accepted iff its token's target
+    probability clears the threshold at its parent, whatever q and u; after a rejected sibling the
+    next one is tested against the same p (no residual)."""
+    # entropy ~0.76, so the threshold is eps = 0.09: tokens 0 and 1 fall below it, token 2 clears it.
+    # A residual after rejecting token 0 would lift token 1 to 0.085 / 0.92 > 0.09.
+    root = torch.tensor([0.08, 0.085, 0.8, 0.00875, 0.00875, 0.00875, 0.00875])
+    after_2 = torch.tensor([0.02, 0.02, 0.02, 0.9, 0.02, 0.01, 0.01])
+    flat = torch.full((V,), 1.0 / V)
+    # root children: node 0 = token 0, node 1 = token 1, node 2 = token 2; node 3 = token 3 under node 2
+    proposal = DraftProposal(torch.tensor([[0, 1, 2, 3]]), torch.tensor([[-1, -1, -1, 2]]))
+    logits = torch.stack([root, flat, flat, after_2, flat]).log()[None]
+    v = TypicalVerifier().verify(proposal, logits, RowSampling([SamplingParams(temperature=1.0, seed=0)]))
+    assert v.path[0].tolist() == [2, 3, -1, -1] and v.num_accepted.tolist() == [2]
+    assert v.tokens[0, :2].tolist() == [2, 3] and 0 <= int(v.tokens[0, 2]) < V

@@ -3,8 +3,9 @@
 Chains: accept draft x with probability min(1, p(x)/q(x)); at the first rejection emit a token
 from norm(max(0, p - q)); if every draft is accepted emit a bonus token from p (Leviathan et
 al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318). Trees: recursive rejection
-sampling over each node's children (see :mod:`specdec.verifiers.walk`). p and q are both after
-the request's temperature / top-k / top-p; temperature-0 rows reduce to exact argmax matching.
+sampling over each node's children (see :func:`specdec.kernels.rejection.tree_walk`). p and q are
+both after the request's temperature / top-k / top-p; temperature-0 rows reduce to exact argmax
+matching.
 
 The walk runs in :func:`specdec.kernels.rejection_sample` (a fused Triton kernel on a GPU, its
 torch reference elsewhere); the emitted token is drawn by an exponential race. By default the

@@ -18,6 +18,12 @@ All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k
   ``markov_head.markov_w{1,2}.weight`` and ``confidence_head.proj.*``. DFlash checkpoints of
   DeepSpec are the same with ``markov_rank: 0`` and no confidence head. Written for DSpark.
 
+This module reads the backbone's fields of every layout and writes the z-lab one. Which family a
+file holds follows from its layout (z-lab: DFlash; DeepSpec, and speculators files whose anchor
+drafts: DSpark); a family that extends the backbone registers how it reads its own fields and
+writes its layout (:func:`register_block_family`; DSpark does in
+:mod:`specdec.drafters.dspark.model`), so this room imports nothing of DSpark's.
+
 Embeddings and LM head, when a file carries them, are skipped: the target's are used. An
 optional ``t2d`` tensor ([V] bool) restricts drafts to a draft vocabulary
 (:meth:`~specdec.drafters.dflash.model.BlockDraftModel.set_draft_vocab`). Weights are read with
@@ -27,6 +33,8 @@ safetensors only; nothing is unpickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +45,37 @@ from safetensors.torch import save_file
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel
 from specdec.models import safetensors_files
 
-__all__ = ["config_from_dict", "load_block_draft", "save_block_draft", "LAYOUTS"]
+__all__ = ["BlockFamily", "register_block_family", "config_from_dict", "load_block_draft", "save_block_draft"]
 
-LAYOUTS = ("zlab", "speculators", "deepspec")
 _SKIP = ("embed_tokens.", "lm_head.", "verifier_", "d2t")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class BlockFamily:
+    """How the checkpoint layouts hold one family of drafters on the block backbone."""
+
+    model_class: type[BlockDraftModel]
+    # (config.json, layout, the backbone's fields read from it) → the family's config
+    read: Callable[[dict[str, Any], str, dict[str, Any]], BlockDraftConfig]
+    # (config, the backbone's architecture fields) → the config.json the family writes
+    write: Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def _zlab_config(cfg: BlockDraftConfig, arch: dict[str, Any]) -> dict[str, Any]:
+    return {"architectures": ["DFlashDraftModel"], **arch,
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}}
+
+
+_FAMILIES: dict[str, BlockFamily] = {
+    "dflash": BlockFamily(BlockDraftModel, lambda c, layout, backbone: BlockDraftConfig(**backbone), _zlab_config),
+}
+
+
+def register_block_family(name: str, family: BlockFamily) -> None:
+    """Let :func:`load_block_draft` and :func:`save_block_draft` handle ``name``'s checkpoints."""
+    _FAMILIES[name] = family
 
 
 def _rope(c: dict[str, Any]) -> dict[str, Any]:
@@ -73,9 +106,8 @@ def detect_layout(c: dict[str, Any]) -> str:
     raise ValueError(f"not a DFlash/DSpark checkpoint config (architectures {c.get('architectures')})")
 
 
-def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
-    """A :class:`BlockDraftConfig` from any of the three ``config.json`` layouts."""
-    layout = detect_layout(c)
+def _backbone(c: dict[str, Any], layout: str) -> tuple[str, dict[str, Any]]:
+    """The family a ``config.json`` holds and the backbone's fields in it."""
     if layout == "speculators":
         t = c["transformer_layer_config"]
         draft_vocab = c.get("draft_vocab_size")
@@ -84,32 +116,42 @@ def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
                              f" {t['vocab_size']}) is not supported")
         if c.get("projector_type", "dflash") != "dflash":
             raise ValueError(f"speculators projector_type {c['projector_type']!r} is not supported")
-        return BlockDraftConfig(**_arch(t), num_target_layers=c.get("num_target_layers"),
-                                target_layer_ids=list(c["aux_hidden_state_layer_ids"]),
-                                mask_token_id=int(c["mask_token_id"]), block_size=int(c["block_size"]),
-                                anchor_predicts=bool(c.get("sample_from_anchor", False)))
+        family = "dspark" if c.get("sample_from_anchor", False) else "dflash"
+        return family, dict(**_arch(t), num_target_layers=c.get("num_target_layers"),
+                            target_layer_ids=list(c["aux_hidden_state_layer_ids"]),
+                            mask_token_id=int(c["mask_token_id"]), block_size=int(c["block_size"]))
     if layout == "deepspec":
-        rank = int(c.get("markov_rank", 0))
-        conf = bool(c.get("enable_confidence_head", False))
-        return BlockDraftConfig(**_arch(c), num_target_layers=c.get("num_target_layers"),
-                                target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
-                                block_size=int(c["block_size"]), anchor_predicts=True, markov_rank=rank,
-                                markov_head_type=str(c.get("markov_head_type", "vanilla")).lower(),
-                                enable_confidence_head=conf,
-                                confidence_head_with_markov=bool(c.get("confidence_head_with_markov", False)),
-                                confidence_temperatures=c.get("confidence_temperatures"))
+        return "dspark", dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                              target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
+                              block_size=int(c["block_size"]))
     dc = c.get("dflash_config") or {}
-    return BlockDraftConfig(**_arch(c), num_target_layers=c.get("num_target_layers"),
-                            target_layer_ids=list(dc.get("target_layer_ids", c.get("target_layer_ids"))),
-                            mask_token_id=int(dc.get("mask_token_id", c.get("mask_token_id"))),
-                            block_size=int(c.get("block_size", 16)))
+    return "dflash", dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                          target_layer_ids=list(dc.get("target_layer_ids", c.get("target_layer_ids"))),
+                          mask_token_id=int(dc.get("mask_token_id", c.get("mask_token_id"))),
+                          block_size=int(c.get("block_size", 16)))
+
+
+def _read(c: dict[str, Any]) -> tuple[BlockFamily, BlockDraftConfig]:
+    layout = detect_layout(c)
+    name, backbone = _backbone(c, layout)
+    if name not in _FAMILIES:
+        raise ValueError(f"a {name} checkpoint, but no {name} drafter registered its layouts")
+    family = _FAMILIES[name]
+    return family, family.read(c, layout, backbone)
+
+
+def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
+    """The config (:class:`BlockDraftConfig`, or the family's own) from any of the three
+    ``config.json`` layouts."""
+    return _read(c)[1]
 
 
 def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> BlockDraftModel:
-    """The draft network of a checkpoint folder in any supported layout."""
+    """The draft network of a checkpoint folder in any supported layout, of the family the
+    layout holds (a DSpark file gives a DSpark model)."""
     folder = Path(folder)
-    cfg = config_from_dict(json.loads((folder / "config.json").read_text()))
-    model = BlockDraftModel(cfg)
+    family, cfg = _read(json.loads((folder / "config.json").read_text()))
+    model = family.model_class(cfg)
     state: dict[str, torch.Tensor] = {}
     for f in safetensors_files(folder):
         with safe_open(str(f), framework="pt") as sf:
@@ -122,7 +164,6 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
         state["t2d"] = t2d.bool()
         model.set_draft_vocab(state["t2d"])
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary_emb.")]
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
     return model.to(dtype).eval()
@@ -130,8 +171,8 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
 
 def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                      extra: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors``: z-lab layout for DFlash (no anchor
-    prediction), DeepSpec layout for DSpark. No embedding or LM head is stored."""
+    """Write ``config.json`` + ``model.safetensors`` in the model family's layout: z-lab for
+    DFlash, DeepSpec for DSpark. No embedding or LM head is stored."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
@@ -139,20 +180,15 @@ def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dt
                                                          "num_target_layers": cfg.num_target_layers,
                                                          "block_size": cfg.block_size, "model_type": "qwen3",
                                                          "tie_word_embeddings": False}
-    if cfg.anchor_predicts:
-        config = {"architectures": ["Qwen3DSparkModel"], **arch, "mask_token_id": cfg.mask_token_id,
-                  "target_layer_ids": cfg.target_layer_ids, "markov_rank": cfg.markov_rank,
-                  "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
-                  "confidence_head_with_markov": cfg.confidence_head_with_markov,
-                  "confidence_temperatures": cfg.confidence_temperatures}
-    else:
-        config = {"architectures": ["DFlashDraftModel"], **arch,
-                  "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}}
+    family = next((f for f in _FAMILIES.values() if type(model) is f.model_class), None)
+    if family is None:
+        raise ValueError(f"no block-draft family registered for {type(model).__name__}")
+    config = family.write(cfg, arch)
     if model.t2d is not None:
         config["draft_vocab_size"] = int(model.t2d.sum())  # tokens drafted; the mask is the tensor t2d
     config.update(extra or {})
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
-             for k, v in model.state_dict().items() if not k.startswith("rotary_emb.")}
+             for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

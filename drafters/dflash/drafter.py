@@ -23,9 +23,9 @@ marker the chat model never emits (recorded in the checkpoint config).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -44,11 +44,11 @@ class BlockState:
     anchors: Tensor  # [B] next token per row (sampled by the target, not yet committed)
     pending: list[Tensor]  # per row: target features [n, m·D] of committed tokens not yet in the cache
     cache: ContextKV
-    extra: dict[str, Any] = field(default_factory=dict)  # per-drafter extras (DSpark: last confidences)
 
 
-def tiny_block_config(target: Target, **overrides: Any) -> BlockDraftConfig:
-    """A small config matching ``target`` (random weights for tests)."""
+def tiny_block_config(target: Target, config_class: type[BlockDraftConfig] = BlockDraftConfig,
+                      **overrides: Any) -> BlockDraftConfig:
+    """A small config of ``config_class`` matching ``target`` (random weights for tests)."""
     L = target.num_layers
     n_feat = overrides.pop("num_target_features", 2)
     # tiny targets are too shallow for DFlash's spacing: the embeddings (-1) and the first layers
@@ -62,11 +62,15 @@ def tiny_block_config(target: Target, **overrides: Any) -> BlockDraftConfig:
                              or {"rope_type": "default", "rope_theta": 10000.0}),
         rms_norm_eps=float(getattr(target.text_config, "rms_norm_eps", 1e-6)))
     base.update(overrides)
-    return BlockDraftConfig(**base)
+    return config_class(**base)
 
 
 class BlockDrafter(Drafter):
     """What DFlash and DSpark share: binding, the context cache, one block forward."""
+
+    model_class: ClassVar[type[BlockDraftModel]] = BlockDraftModel
+    options: ClassVar[tuple[str, ...]] = ("greedy_draft",)  # the constructor's keyword options
+    tiny_config: ClassVar[dict[str, Any]] = {}  # the family's defaults over tiny_block_config's
 
     def __init__(self, model: BlockDraftModel, greedy_draft: bool = False):
         self.model = model.eval()
@@ -110,9 +114,6 @@ class BlockDrafter(Drafter):
         state.anchors = state.anchors[rows.to(state.anchors.device)]
         state.pending[:] = [state.pending[i] for i in idx]
         state.cache.select_rows(rows.to(state.cache.valid.device))
-        for key, value in list(state.extra.items()):
-            if isinstance(value, Tensor):
-                state.extra[key] = value[rows.to(value.device)]
 
     def _features(self, committed: Committed) -> Tensor:
         """The drafter's context features at the committed tokens: [B, m, n·D]."""
@@ -147,11 +148,24 @@ class BlockDrafter(Drafter):
         positions = state.cache.lengths.unsqueeze(1) + torch.arange(length, device=dev)
         block = self.target.embed_tokens(tokens)
         mask = torch.cat([state.cache.valid, torch.ones(B, length, dtype=torch.bool, device=dev)], 1)
-        mask = mask[:, None, None, :].expand(B, 1, length, mask.shape[1])
+        mask = mask[:, None, :].expand(B, length, mask.shape[1])
         kv = [state.cache.layer(i) for i in range(len(self.model.layers))] if state.cache.keys[0] is not None \
             else [(block.new_zeros(B, self.cfg.num_key_value_heads, 0, self.cfg.head_dim),) * 2
                   for _ in self.model.layers]
         return self.model(block, positions, kv, mask)
+
+    @classmethod
+    def tiny(cls, target: Target, **overrides: Any) -> BlockDrafter:
+        seed, std = overrides.pop("seed", 1), overrides.pop("init_std", 0.3)
+        overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
+        opts = {k: overrides.pop(k) for k in cls.options if k in overrides}
+        torch.manual_seed(seed)
+        cfg = tiny_block_config(target, cls.model_class.config_class, **{**cls.tiny_config, **overrides})
+        model = cls.model_class(cfg)
+        model.init_weights(std)
+        d = cls(model, **opts)
+        d.bind(target)
+        return d
 
     @classmethod
     def create(cls, target: Target, **options: Any) -> BlockDrafter:
@@ -178,18 +192,6 @@ class BlockDrafter(Drafter):
 
 class DFlashDrafter(BlockDrafter):
     name = "dflash"
-
-    @classmethod
-    def tiny(cls, target: Target, **overrides: Any) -> DFlashDrafter:
-        seed, greedy = overrides.pop("seed", 1), overrides.pop("greedy_draft", False)
-        std = overrides.pop("init_std", 0.3)
-        overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
-        torch.manual_seed(seed)
-        model = BlockDraftModel(tiny_block_config(target, **overrides))
-        model.init_weights(std)
-        d = cls(model, greedy_draft=greedy)
-        d.bind(target)
-        return d
 
     @torch.inference_mode()
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:

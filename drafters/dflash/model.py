@@ -1,4 +1,4 @@
-"""The block-parallel draft network shared by DFlash and DSpark.
+"""DFlash's block-parallel draft network (the backbone DSpark extends in :mod:`specdec.drafters.dspark.model`).
 
 One forward drafts a whole block. The block's inputs are ``[anchor, MASK × (b−1)]`` (the target's
 frozen embeddings); queries come from the block only, and attention inside the block is
@@ -22,17 +22,16 @@ Shape symbols: ``B`` rows, ``b`` block length, ``c`` context tokens, ``D`` draft
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specdec.drafters.dspark.heads import ConfidenceHead, build_markov_head
+from specdec.drafters.layers import GQAttention, attend, rope
 
-__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids", "rms_norm"]
+__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids"]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -47,27 +46,11 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return sorted({min(max(i, 0), max(L - 2, 0)) for i in ids})
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
 @dataclass
 class BlockDraftConfig:
     """Everything that shapes the network; stored in the checkpoint's ``config.json``."""
 
+    anchor_predicts: ClassVar[bool] = False  # block position 0 (the anchor) drafts too (DSpark's blocks)
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -82,13 +65,6 @@ class BlockDraftConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 32768
-    # DSpark only (0 / False for DFlash)
-    anchor_predicts: bool = False  # block position 0 (the anchor) drafts the first token
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = True
-    confidence_temperatures: list[float] | None = None  # post-hoc calibration, one per position
 
     def __post_init__(self) -> None:
         ids = list(self.target_layer_ids)
@@ -100,14 +76,10 @@ class BlockDraftConfig:
             raise ValueError(f"target_layer_ids must be strictly increasing, got {ids}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})")
-        if self.block_size < 2 - int(self.anchor_predicts):
+        if self.num_drafts < 1:
             raise ValueError(f"block_size {self.block_size} drafts nothing")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.markov_head_type not in ("vanilla", "gated", "rnn"):
-            raise ValueError(f"markov_head_type must be vanilla, gated or rnn, got {self.markov_head_type!r}")
-        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank <= 0:
-            raise ValueError("a confidence head with markov features needs markov_rank > 0")
 
     def check_target(self, num_target_layers: int) -> None:
         """Ids name layer outputs, 0-indexed; −1 is the embedding output (DeepSpec's convention)."""
@@ -124,73 +96,45 @@ class BlockDraftConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def rotary(self) -> LlamaRotaryEmbedding:
-        cfg = LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-                          head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
-                          rope_parameters=dict(self.rope_parameters))
-        return LlamaRotaryEmbedding(cfg)
+    def layer_config(self) -> LlamaConfig:
+        """These shapes as a transformers Llama config, for the layers taken from transformers
+        (the MLP, the rotary embedding)."""
+        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                           head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, hidden_act="silu", mlp_bias=False,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x [B, heads, n, h] with cos/sin [B, n, h] (the half-split convention)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+class BlockAttention(GQAttention):
+    """Qwen3-style attention (per-head q/k norms) whose keys and values are the context's
+    followed by the block's own."""
 
-
-class BlockAttention(nn.Module):
     def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        D, H, G, h = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.H, self.G, self.h = H, G, h
-        self.q_proj = nn.Linear(D, H * h, bias=False)
-        self.k_proj = nn.Linear(D, G * h, bias=False)
-        self.v_proj = nn.Linear(D, G * h, bias=False)
-        self.o_proj = nn.Linear(H * h, D, bias=False)
-        self.q_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(h, cfg.rms_norm_eps)
+        D = cfg.hidden_size
+        super().__init__(D, D, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (normed, rotated) and values of x [B, n, D] → [B, G, n, h] each."""
-        B, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, n, self.G, self.h)).transpose(1, 2)
-        v = self.v_proj(x).view(B, n, self.G, self.h).transpose(1, 2)
-        return _rotate(k, cos, sin), v
+        return rope(self.heads(self.k_proj(x), self.k_norm), cos, sin), self.heads(self.v_proj(x))
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x [B, b, D] (normed block), ctx_k/v [B, G, c, h], cos/sin of the block [B, b, h],
-        mask [B, 1, b, c + b] bool (True = attend)."""
-        B, b, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, b, self.H, self.h)).transpose(1, 2)
-        q = _rotate(q, cos, sin)
+        mask [B, b, c + b] bool (True = attend)."""
+        q = rope(self.heads(self.q_proj(x), self.q_norm), cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
-        k, v = torch.cat([ctx_k, k_blk], 2), torch.cat([ctx_v, v_blk], 2)
-        if self.G != self.H:
-            k, v = k.repeat_interleave(self.H // self.G, 1), v.repeat_interleave(self.H // self.G, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, b, self.H * self.h))
-
-
-class BlockMLP(nn.Module):
-    def __init__(self, cfg: BlockDraftConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.out(attend(q, torch.cat([ctx_k, k_blk], 2), torch.cat([ctx_v, v_blk], 2), mask))
 
 
 class BlockLayer(nn.Module):
     """A pre-norm decoder layer whose attention also reads the context K/V."""
 
-    def __init__(self, cfg: BlockDraftConfig):
+    def __init__(self, cfg: BlockDraftConfig, layer_config: LlamaConfig):
         super().__init__()
         self.self_attn = BlockAttention(cfg)
-        self.mlp = BlockMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(layer_config)
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, ctx_k: Tensor, ctx_v: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
@@ -199,22 +143,23 @@ class BlockLayer(nn.Module):
 
 class BlockDraftModel(nn.Module):
     """The backbone; parameter names are the z-lab DFlash checkpoint's (``layers.{i}.*``, ``fc``,
-    ``hidden_norm``, ``norm``). DSpark's heads live beside it (:mod:`specdec.drafters.dspark.heads`)."""
+    ``hidden_norm``, ``norm``). A family that extends it (DSpark) subclasses both this and
+    :class:`BlockDraftConfig`, adds its heads, and overrides :meth:`draft_bias` and
+    :meth:`confidence_logits`, which training reads."""
+
+    config_class: ClassVar[type[BlockDraftConfig]] = BlockDraftConfig
 
     def __init__(self, cfg: BlockDraftConfig):
         super().__init__()
         self.cfg = cfg
-        D = cfg.hidden_size
+        D, layer_config = cfg.hidden_size, cfg.layer_config()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * D, D, bias=False)
-        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([BlockLayer(cfg) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.rotary_emb = cfg.rotary()
+        self.hidden_norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([BlockLayer(cfg, layer_config) for _ in range(cfg.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(D, eps=cfg.rms_norm_eps)
+        self.rotary = LlamaRotaryEmbedding(layer_config)
         self.t2d: Tensor | None
         self.register_buffer("t2d", None)  # optional draft vocabulary [V] bool (see set_draft_vocab)
-        self.markov_head = build_markov_head(cfg.vocab_size, cfg.markov_rank, D, cfg.markov_head_type)
-        self.confidence_head = (ConfidenceHead(D, cfg.markov_rank if cfg.confidence_head_with_markov else 0)
-                                if cfg.enable_confidence_head else None)
 
     def init_weights(self, std: float = 0.02) -> None:
         for m in self.modules():
@@ -236,8 +181,7 @@ class BlockDraftModel(nn.Module):
         return logits if self.t2d is None else logits.masked_fill(~self.t2d, float("-inf"))
 
     def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rotary_emb(x, positions)
-        return cos.to(x.dtype), sin.to(x.dtype)
+        return self.rotary(x, positions)
 
     def project_context(self, features: Tensor) -> Tensor:
         """features [B, c, m·D] (the target layer outputs, concatenated) → ctx [B, c, D]."""
@@ -249,13 +193,24 @@ class BlockDraftModel(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
-        """block [B, b, D] embeddings at positions [B, b]; mask [B, 1, b, c + b] bool.
+        """block [B, b, D] embeddings at positions [B, b]; mask [B, b, c + b] bool (True = attend).
         Returns the final-normed hidden states [B, b, D] (what the LM head reads)."""
         cos, sin = self.rope(block, positions)
         x = block
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, k, v, cos, sin, mask)
         return self.norm(x)
+
+    def draft_bias(self, prev: Tensor, hidden: Tensor, vocab: Tensor | None = None) -> Tensor | None:
+        """A bias on the logits of drafts whose previous tokens are ``prev`` [..., γ], given their
+        block hidden states [..., γ, D], teacher-forced (over the ``vocab`` columns only when given):
+        [..., γ, V or S]. None: DFlash's drafts are independent given the block."""
+        return None
+
+    def confidence_logits(self, hidden: Tensor, prev: Tensor) -> Tensor | None:
+        """Per-draft acceptance logits [..., γ] from the block hidden [..., γ, D] and previous
+        tokens [..., γ]. None: DFlash predicts no confidences."""
+        return None
 
 
 class ContextKV:
@@ -264,7 +219,7 @@ class ContextKV:
     Holds, for every row, one slot per committed token whose target features were handed in.
     Rows gain different numbers of slots per step (pad slots are marked invalid); since only
     committed tokens enter, a rejected draft never needs evicting: the block's own K/V are never
-    stored. :meth:`crop` drops a row's last slots (used when a caller rewinds a row).
+    stored.
     """
 
     def __init__(self, batch: int, num_layers: int, device: torch.device, dtype: torch.dtype):
@@ -284,12 +239,6 @@ class ContextKV:
         self.lengths = self.lengths + counts
         if self.valid.shape[1] > 64 and float(self.valid.float().mean()) < 0.5:
             self.compact()
-
-    def crop(self, counts: Tensor) -> None:
-        """Drop the last ``counts[b]`` valid slots of each row."""
-        rank_from_end = self.valid.flip(-1).long().cumsum(-1).flip(-1)
-        self.valid = self.valid & ~(self.valid & (rank_from_end <= counts.unsqueeze(1)))
-        self.lengths = self.valid.sum(1)
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         assert self.keys[i] is not None and self.values[i] is not None

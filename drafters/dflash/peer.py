@@ -40,7 +40,7 @@ def to_transformers(drafter: DFlashDrafter) -> nn.Module:
     hf_cfg._attn_implementation = "sdpa"
     model = MuseGlimmerAssistantModel(hf_cfg).eval()
     state = {next((v + k[len(p):] for p, v in _RENAME.items() if k.startswith(p)), k): w
-             for k, w in drafter.model.state_dict().items() if not k.startswith("rotary_emb.")}
+             for k, w in drafter.model.state_dict().items()}
     model.load_state_dict(state, strict=True)
     return model.to(device=drafter.target.device, dtype=drafter.target.dtype)
 

@@ -74,14 +74,14 @@ def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) ->
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
-    """[B, 1, A·b, T + A·b] bool: a block sees context before its anchor and its own block."""
+    """[B, A·b, T + A·b] bool: a block sees context before its anchor and its own block."""
     B, A = anchors.shape
     q_block = torch.arange(A * b) // b  # [Q]
     ctx = torch.arange(T).view(1, 1, T) < anchors[:, q_block].unsqueeze(-1)  # [B, Q, T]
     own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(B, -1, -1)  # [B, Q, Q]
     mask = torch.cat([ctx, own], -1) & keep[:, q_block].unsqueeze(-1)
     mask[..., T:] |= ~keep[:, q_block].unsqueeze(-1) & own  # padding blocks: attend to themselves only
-    return mask.unsqueeze(1)
+    return mask
 
 
 def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, anchors: Tensor,
@@ -180,6 +180,7 @@ class BlockRecipe(Recipe):
     vocabulary, the feature scale and the checkpoint. Subclasses give :meth:`extra_config` and :meth:`loss`."""
 
     options: BlockOptions
+    model_class: type[BlockDraftModel] = BlockDraftModel
 
     def layer_ids(self, target: Target) -> list[int]:
         return build_target_layer_ids(target.num_layers, self.options.features)
@@ -197,7 +198,7 @@ class BlockRecipe(Recipe):
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "block drafters train for a target"
         o, tc, D = self.options, target.text_config, target.hidden_size
-        cfg = BlockDraftConfig(
+        cfg = self.model_class.config_class(
             hidden_size=D, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
             num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
             head_dim=getattr(tc, "head_dim", None) or D // tc.num_attention_heads, vocab_size=target.vocab_size,
@@ -205,10 +206,10 @@ class BlockRecipe(Recipe):
             mask_token_id=target.vocab_size - 1 if o.mask_token_id is None else o.mask_token_id,
             block_size=o.block, rms_norm_eps=tc.rms_norm_eps, rope_parameters=dict(tc.rope_parameters),
             max_position_embeddings=tc.max_position_embeddings, **self.extra_config())
-        model = BlockDraftModel(cfg)
+        model = self.model_class(cfg)
         model.init_weights(o.init_std)
         with torch.no_grad():  # start the output norm where the target's is: its LM head expects that scale
-            model.norm.weight.copy_(target.final_norm.weight.float())
+            model.norm.weight.copy_(target.final_norm_weight().float())
         vocab = torch.cat([s.tokens for s in data.train]).unique()  # every token the training data uses
         t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
         t2d[vocab] = True

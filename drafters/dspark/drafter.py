@@ -24,35 +24,47 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from specdec.drafters.dflash.drafter import BlockDrafter, BlockState, tiny_block_config
+from specdec.drafters.dflash.drafter import BlockDrafter, BlockState
 from specdec.drafters.dflash.model import BlockDraftModel, ContextKV
-from specdec.drafters.dspark.heads import sample_with_head
+from specdec.drafters.dspark.model import DSparkConfig, DSparkModel
+from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.kernels.markov import markov_chain, markov_sample
 from specdec.models import cache_dir
 from specdec.sampling import RowSampling, SamplingParams
-from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.target import Target
-from specdec.types import DraftProposal
+from specdec.types import Committed, DraftProposal
 
-__all__ = ["DSparkDrafter"]
+__all__ = ["DSparkDrafter", "DSparkState"]
 
 
-def _one_hot_argmax(logits: Tensor) -> Tensor:
-    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+@dataclass
+class DSparkState(BlockState):
+    """DFlash's block state plus what the prefix scheduler carries from step to step."""
+
+    probe_gap: int  # steps the scheduler may skip before it drafts again to re-probe
+    skipped: int = 0  # steps skipped since the last draft
+    conf: Tensor | None = None  # [B, γ] the last drafts' calibrated confidences
 
 
 class DSparkDrafter(BlockDrafter):
     name = "dspark"
+    model_class = DSparkModel
+    options = ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every", "profile_gamma")
+    tiny_config = {"markov_rank": 4, "block_size": 4, "enable_confidence_head": True}
+    model: DSparkModel
+    cfg: DSparkConfig
 
     def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, scheduler: bool = False,
                  costs: StepCosts | str | None = None, budget: int | None = None, ragged: bool = False,
                  probe_every: int = 8, profile_gamma: int | None = None):
-        if not model.cfg.anchor_predicts:
+        if not isinstance(model, DSparkModel):
             raise ValueError("dspark needs a model whose anchor position predicts (DeepSpec / speculators"
                              " sample_from_anchor layout); this looks like a DFlash checkpoint")
         if scheduler and model.confidence_head is None:
@@ -63,94 +75,79 @@ class DSparkDrafter(BlockDrafter):
         self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
         self.profile_gamma = profile_gamma  # the k the costs are profiled at (default: the trained block's drafts)
 
-    @classmethod
-    def tiny(cls, target: Target, **overrides: Any) -> DSparkDrafter:
-        seed, std = overrides.pop("seed", 1), overrides.pop("init_std", 0.3)
-        overrides.pop("checkpoint", None)  # random weights: a configured checkpoint is for real targets
-        opts = {k: overrides.pop(k) for k in ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every",
-                                              "profile_gamma") if k in overrides}
-        torch.manual_seed(seed)
-        cfg = tiny_block_config(target, **{"anchor_predicts": True, "markov_rank": 4, "block_size": 4,
-                                           "enable_confidence_head": True, **overrides})
-        model = BlockDraftModel(cfg)
-        model.init_weights(std)
-        d = cls(model, **opts)
-        d.bind(target)
-        return d
-
     def bind(self, target: Target) -> None:
         super().bind(target)
         if self.scheduler and self.costs is None:
             self.costs = self.profile(target, gamma=self.profile_gamma)
 
+    def start(self, prefill: Committed, rows: RowSampling) -> DSparkState:
+        s = super().start(prefill, rows)
+        return DSparkState(s.anchors, s.pending, s.cache, probe_gap=self.probe_every)
+
+    def select_rows(self, state: DSparkState, rows: Tensor) -> None:
+        super().select_rows(state, rows)
+        if state.conf is not None:
+            state.conf = state.conf[rows.to(state.conf.device)]
+
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
+    def propose(self, state: DSparkState, k: int, rows: RowSampling) -> DraftProposal:
         B = state.anchors.shape[0]
         if self.scheduler and self._skip(state, k):
             return DraftProposal.empty(B, self.target.device)
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
         base = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
         greedy = self.greedy_draft or rows.all_greedy
-        probs = _one_hot_argmax if greedy else rows.probs
-        u = rows.draft_uniform(k)
-        tokens, q = self._sample(base, state.anchors, hidden, probs, u, rows, greedy)
+        u = rows.draft_uniform(k)  # drawn when greedy too: the drafter's stream advances alike
+        tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)
         num_valid = None
         if self.model.confidence_head is not None:
-            conf = self.confidences(hidden, state.anchors, tokens)
-            state.extra["conf"] = conf
+            state.conf = self.confidences(hidden, state.anchors, tokens)
             if self.scheduler:
                 assert self.costs is not None
-                num_valid = schedule(conf, self.costs, self.budget, self.ragged)
-        return DraftProposal.chain(tokens, None if greedy else q, num_valid)
+                num_valid = schedule(state.conf, self.costs, self.budget, self.ragged)
+        return DraftProposal.chain(tokens, q, num_valid)
 
-    def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, probs, u: Tensor, rows: RowSampling,
-                greedy: bool) -> tuple[Tensor, Tensor]:
-        """Left-to-right Markov sampling. On a GPU, the vanilla head with a temperature-only warp
-        runs the fused kernel (:func:`specdec.kernels.markov.markov_sample`, same semantics)."""
+    def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, u: Tensor, rows: RowSampling,
+                greedy: bool) -> tuple[Tensor, Tensor | None]:
+        """Left-to-right Markov sampling (:func:`~specdec.kernels.markov.markov_chain`); q is None
+        when greedy. On a GPU, the vanilla head with a temperature-only warp runs the fused kernel
+        (:func:`~specdec.kernels.markov.markov_sample`, the same sampler)."""
         head = self.model.markov_head
         fused = (head is not None and head.kind == "vanilla" and base.device.type == "cuda" and not greedy
                  and bool((rows.top_k == 0).all()) and bool((rows.top_p >= 1).all()))
         if fused:
-            from specdec.kernels.markov import markov_sample
-
-            tokens, q = markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, rows.temperature, u)
-            assert q is not None
-            return tokens, q
-        return sample_with_head(base, anchors, head, hidden, probs, u)
+            assert head is not None
+            return markov_sample(base, anchors, head.markov_w1.weight, head.markov_w2.weight, rows.temperature, u)
+        bias = None if head is None else head.sampler_bias(hidden)
+        return markov_chain(base, anchors, bias, None if greedy else rows.probs, u)
 
     def confidences(self, hidden: Tensor, anchors: Tensor, tokens: Tensor) -> Tensor:
         """Calibrated ``c_k`` for drafts ``tokens`` [B, γ] from the block hidden [B, γ, D]. [B, γ]"""
-        head, markov = self.model.confidence_head, self.model.markov_head
-        assert head is not None
-        prev = torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1)
-        emb = markov.prev_embed(prev) if (self.cfg.confidence_head_with_markov and markov is not None) else None
-        logits = head(hidden, emb)
+        logits = self.model.confidence_logits(hidden, torch.cat([anchors.unsqueeze(1), tokens[:, :-1]], 1))
+        assert logits is not None
         temps = self.cfg.confidence_temperatures
         if temps:
             t = torch.tensor([temps[min(j, len(temps) - 1)] for j in range(logits.shape[1])], device=logits.device)
             logits = logits / t
         return torch.sigmoid(logits)
 
-    def _skip(self, state: BlockState, k: int) -> bool:
+    def _skip(self, state: DSparkState, k: int) -> bool:
         """Skip drafting when the last confidences say even the best schedule is slower than
         autoregressive decoding. A skipped row re-probes after ``probe_every`` steps; each probe
         that still says "skip" doubles that gap (up to 64), so a batch where drafting never pays
         spends almost nothing on probes."""
-        conf = state.extra.get("conf")
-        if conf is None or conf.shape[1] != k:
+        if state.conf is None or state.conf.shape[1] != k:
             return False
         assert self.costs is not None
-        spec, ar = best_throughput(conf, self.costs, self.budget, self.ragged)
-        gap = int(state.extra.get("probe_gap", self.probe_every))
+        spec, ar = best_throughput(state.conf, self.costs, self.budget, self.ragged)
         if spec >= ar:
-            state.extra["skipped"], state.extra["probe_gap"] = 0, self.probe_every
+            state.skipped, state.probe_gap = 0, self.probe_every
             return False
-        skipped = int(state.extra.get("skipped", 0)) + 1
-        if skipped >= gap:  # probe: draft once to refresh the confidences
-            state.extra["skipped"], state.extra["probe_gap"] = 0, min(2 * gap, 64)
+        state.skipped += 1
+        if state.skipped >= state.probe_gap:  # probe: draft once to refresh the confidences
+            state.skipped, state.probe_gap = 0, min(2 * state.probe_gap, 64)
             return False
-        state.extra["skipped"] = skipped
         return True
 
     # --- start-up profiling -------------------------------------------------------------------
@@ -181,8 +178,8 @@ class DSparkDrafter(BlockDrafter):
 
         def draft(r: int) -> float:
             feats = torch.randn(r, context, self.model.fc.in_features, generator=gen).to(target.device, target.dtype)
-            state = BlockState(torch.zeros(r, dtype=torch.long, device=target.device), list(feats),
-                               ContextKV(r, len(self.model.layers), target.device, target.dtype))
+            state = DSparkState(torch.zeros(r, dtype=torch.long, device=target.device), list(feats),
+                                ContextKV(r, len(self.model.layers), target.device, target.dtype), self.probe_every)
             rows = RowSampling([SamplingParams(temperature=1.0, seed=0)] * r, target.device)
             self.extend_context(state)
             sync()

@@ -16,21 +16,20 @@ is accepted given the ones before it were. ``T_k`` come from post-hoc sequential
 scaling (:func:`calibrate_temperatures`); ``Π_{i≤k} c_i`` is then a calibrated survival
 probability, what the prefix scheduler (:mod:`specdec.drafters.dspark.scheduler`) trades on.
 
-:func:`markov_sample` is the reference semantics of the sampler (a fused kernel must match it).
+Drafts are drawn by the one Markov sampler, :func:`specdec.kernels.markov.markov_chain`, with
+the bias :meth:`MarkovHead.sampler_bias` gives.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.sampling import sample_from
+from specdec.kernels.markov import BiasFn
 
-__all__ = ["MarkovHead", "ConfidenceHead", "build_markov_head", "markov_sample", "sample_with_head",
-           "expected_calibration_error", "calibrate_temperatures"]
+__all__ = ["MarkovHead", "ConfidenceHead", "build_markov_head", "expected_calibration_error",
+           "calibrate_temperatures"]
 
 
 class MarkovHead(nn.Module):
@@ -53,11 +52,18 @@ class MarkovHead(nn.Module):
     def prev_embed(self, tokens: Tensor) -> Tensor:
         return self.markov_w1(tokens.long())
 
-    def step(self, prev: Tensor, h: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Bias [..., V] for one position from the previous token [...] and the backbone hidden
-        h [..., d]; ``state`` is the rnn head's recurrent state [..., r] (None at k = 1)."""
-        latent, state = self._latent(prev, h, state)
-        return self.markov_w2(latent), state
+    def sampler_bias(self, hidden: Tensor | None) -> BiasFn:
+        """The bias [B, V] of each block position in turn from the previous token [B], for
+        left-to-right sampling with the block's hidden states [B, γ, d] (read by gated / rnn
+        heads); the rnn state [B, r] is carried from call to call."""
+        state: Tensor | None = None
+
+        def bias(k: int, prev: Tensor) -> Tensor:
+            nonlocal state
+            latent, state = self._latent(prev, None if hidden is None else hidden[:, k], state)
+            return self.markov_w2(latent)  # [B, V]
+
+        return bias
 
     def _latent(self, prev: Tensor, h: Tensor | None, state: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The rank-r vector W2 maps to the bias, and the rnn state."""
@@ -102,50 +108,6 @@ class ConfidenceHead(nn.Module):
     def forward(self, h: Tensor, prev_embed: Tensor | None) -> Tensor:
         x = h if prev_embed is None else torch.cat([h, prev_embed.to(h.dtype)], -1)
         return self.proj(x).squeeze(-1).float()
-
-
-ProbsFn = Callable[[Tensor], Tensor]
-
-
-def sample_with_head(base_logits: Tensor, anchors: Tensor, head: MarkovHead | None, hidden: Tensor | None,
-                     probs: ProbsFn, u: Tensor) -> tuple[Tensor, Tensor]:
-    """Left-to-right sampling through any Markov head (or none).
-
-    base_logits [B, γ, V], anchors [B], hidden [B, γ, d] (gated / rnn heads), ``probs`` the
-    sampling warp [B, V] → [B, V] (the target's temperature / top-k / top-p), u [B, γ] uniforms.
-    Returns tokens [B, γ] and q [B, γ, V], the exact distribution each token was drawn from.
-    """
-    B, gamma, _ = base_logits.shape
-    prev, state = anchors.long(), None
-    tokens, qs = [], []
-    for k in range(gamma):
-        logits = base_logits[:, k].float()
-        if head is not None:
-            bias, state = head.step(prev, None if hidden is None else hidden[:, k], state)
-            logits = logits + bias.float()
-        q = probs(logits)
-        prev = sample_from(q, u[:, k])
-        tokens.append(prev)
-        qs.append(q)
-    return torch.stack(tokens, 1), torch.stack(qs, 1)
-
-
-def markov_sample(base_logits: Tensor, anchors: Tensor, w1: Tensor, w2: Tensor, probs: ProbsFn,
-                  u: Tensor) -> tuple[Tensor, Tensor]:
-    """The vanilla Markov sampler on raw weights: for k = 1..γ,
-    ``logits_k = U_k + W1[x_{k−1}] @ W2ᵀ`` → ``probs`` (warp) → ``x_k`` by inverse CDF of ``u[:, k−1]``.
-
-    base_logits [B, γ, V], anchors [B], w1 [V, r], w2 [V, r], u [B, γ] in [0, 1).
-    Returns tokens [B, γ] int64 and q [B, γ, V] float32.
-    """
-    prev, tokens, qs = anchors.long(), [], []
-    for k in range(base_logits.shape[1]):
-        logits = base_logits[:, k].float() + F.embedding(prev, w1).float() @ w2.float().T
-        q = probs(logits)
-        prev = sample_from(q, u[:, k])
-        tokens.append(prev)
-        qs.append(q)
-    return torch.stack(tokens, 1), torch.stack(qs, 1)
 
 
 def expected_calibration_error(pred: Tensor, target: Tensor, bins: int = 10) -> float:

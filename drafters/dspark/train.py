@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.drafters.dflash.model import BlockDraftModel
+from specdec.drafters.dspark.model import DSparkModel
 from specdec.drafters.dflash.train import (
     BlockBatch,
     BlockOptions,
@@ -38,7 +39,7 @@ from specdec.training.recipe import StepOutput
 __all__ = ["dspark_loss", "DSparkOptions", "DSparkRecipe"]
 
 
-def dspark_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
+def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
                 gamma: float = 4.0, vocab: Tensor | None = None, ce_alpha: float = 0.1, l1_alpha: float = 0.9,
                 conf_alpha: float = 1.0) -> tuple[StepOutput, Tensor | None, Tensor]:
     """The DSpark loss over all anchors at once; ``accept`` is the mean soft acceptance per position.
@@ -46,8 +47,9 @@ def dspark_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: Block
     whose every position has a label ([N, γ] each, detached; logits None without a confidence head)."""
     p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
     logits = p.logits
-    if model.markov_head is not None:
-        logits = logits + model.markov_head.block_bias(p.prev, p.hidden, vocab).float()
+    bias = model.draft_bias(p.prev, p.hidden, vocab)
+    if bias is not None:
+        logits = logits + bias.float()
     ce = weighted_ce(p, logits)
     with torch.no_grad():  # the target's distribution where each draft is verified: lm_head(final[label − 1])
         final = batch.final_hidden
@@ -60,10 +62,8 @@ def dspark_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: Block
     accept = (1 - 0.5 * tv).clamp(0, 1)
     loss = ce_alpha * ce + l1_alpha * l1
     metrics: dict[str, Any] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
-    conf_logits = None
-    if model.confidence_head is not None:
-        with_markov = model.cfg.confidence_head_with_markov and model.markov_head is not None
-        conf_logits = model.confidence_head(p.hidden, model.markov_head.prev_embed(p.prev) if with_markov else None)
+    conf_logits = model.confidence_logits(p.hidden, p.prev)
+    if conf_logits is not None:
         bce = (F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none") * p.weight).sum() / wsum
         loss = loss + conf_alpha * bce
         metrics["bce"] = float(bce.detach())
@@ -85,14 +85,14 @@ class DSparkRecipe(BlockRecipe):
 
     Options = DSparkOptions
     options: DSparkOptions
+    model_class = DSparkModel
 
     def extra_config(self) -> dict[str, Any]:
         o = self.options
-        return dict(anchor_predicts=True, markov_rank=o.markov_rank, markov_head_type=o.markov_type,
-                    enable_confidence_head=o.confidence_head)
+        return dict(markov_rank=o.markov_rank, markov_head_type=o.markov_type, enable_confidence_head=o.confidence_head)
 
     def _loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> tuple[StepOutput, Tensor | None, Tensor]:
-        assert isinstance(model, BlockDraftModel)
+        assert isinstance(model, DSparkModel)
         bb = self.block_batch(batch)
         anchors, keep = self.anchors(model, bb, gen)
         return dspark_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab)
@@ -103,7 +103,7 @@ class DSparkRecipe(BlockRecipe):
     @torch.no_grad()
     def finish(self, model: nn.Module, data: TrainData, gen: torch.Generator) -> dict[str, Any]:
         """Calibrate the confidence temperatures on the held-out blocks."""
-        assert isinstance(model, BlockDraftModel)
+        assert isinstance(model, DSparkModel)
         if model.confidence_head is None or not data.held:
             return {}
         model.eval()

@@ -16,8 +16,11 @@ verifier sees is exact over the target's vocabulary and zero outside the draft's
 
 Parameter names are the speculators format's (``fc``, ``layers.0.*``, ``norm``, ``lm_head``,
 ``d2t``, ``t2d``, optional ``embed_tokens``); :mod:`specdec.drafters.eagle3.checkpoint` reads and
-writes files. Attention is left to the caller (:meth:`Eagle3Layer.qkv` then :meth:`Eagle3Layer.finish`),
-because decoding (a cache plus a tree) and training (unrolled steps) mask it differently.
+writes files. Attention is left to the caller (:meth:`Eagle3Layer.qkv`, then
+:func:`~specdec.drafters.layers.attend`, re-exported here, then :meth:`Eagle3Layer.finish`),
+because decoding (a cache plus a tree) and training (unrolled steps) mask it differently. The
+layers are the ones every draft network shares (:mod:`specdec.drafters.layers` and transformers'
+Llama norm, MLP and rotary embedding).
 
 Shapes: ``B`` rows, ``m`` tokens, ``D`` target hidden size, ``d`` draft hidden size, ``V`` target
 vocabulary, ``Vd`` draft vocabulary, ``H``/``Hkv`` heads, ``hd`` head size.
@@ -28,17 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from specdec.drafters.layers import GQAttention, attend, rope
 from specdec.kernels.norm_concat_linear import fused_norm_concat_linear
-from transformers.models.llama.modeling_llama import (
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-)
 
 __all__ = ["Eagle3Spec", "Eagle3Layer", "Eagle3Model", "default_layer_ids", "draft_layer_config",
            "vocab_map", "attend"]
@@ -105,19 +103,6 @@ class Eagle3Spec:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
 
 
-class Eagle3Attention(nn.Module):
-    """Projections only; q/k/v read the 2d-wide concatenation."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(2 * d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
-
-
 class Eagle3Layer(nn.Module):
     """The single decoder layer ("midlayer")."""
 
@@ -128,7 +113,8 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(d, eps=eps)
         self.hidden_norm = LlamaRMSNorm(d, eps=eps)
         self.post_attention_layernorm = LlamaRMSNorm(d, eps=eps)
-        self.self_attn = Eagle3Attention(cfg)
+        # q/k/v read the 2d-wide concatenation
+        self.self_attn = GQAttention(2 * d, d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.mlp = LlamaMLP(cfg)
 
     def qkv(self, emb: Tensor, g: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -136,14 +122,12 @@ class Eagle3Layer(nn.Module):
         a = self.self_attn
         normed = self.hidden_norm(g)
         residual = normed if self.norm_before_residual else g
-        B, m, _ = emb.shape
         # q/k/v of cat[input_layernorm(emb), hidden_norm(g)] in one fused call (no concatenation in memory)
         qkv = fused_norm_concat_linear(emb, g, self.input_layernorm.weight, self.hidden_norm.weight,
                                        self._qkv_weight(), self.hidden_norm.variance_epsilon)
         sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        q, k, v = (t.view(B, m, -1, a.head_dim).transpose(1, 2) for t in qkv.split(sizes, dim=-1))
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        return q, k, v, residual
+        q, k, v = (a.heads(t) for t in qkv.split(sizes, dim=-1))
+        return rope(q, cos, sin), rope(k, cos, sin), v, residual
 
     def _qkv_weight(self) -> Tensor:
         """``cat[W_q, W_k, W_v]``, rebuilt only when a weight changed (training) or moved: decoding
@@ -159,15 +143,8 @@ class Eagle3Layer(nn.Module):
 
     def finish(self, attn: Tensor, residual: Tensor) -> Tensor:
         """attn [B, H, m, hd] (attention output per head), residual [B, m, d] → y [B, m, d]."""
-        B, _, m, _ = attn.shape
-        y = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(B, m, -1))
+        y = residual + self.self_attn.out(attn)
         return y + self.mlp(self.post_attention_layernorm(y))
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
-    """Attention with a boolean mask. q [B, H, m, hd], k/v [B, Hkv, S, hd], allowed [B, m, S]."""
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed.unsqueeze(1),
-                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Eagle3Model(nn.Module):
