@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from specdec.drafters.dflash.drafter import DFlashDrafter
 from specdec.drafters.dflash.peer import to_transformers
 from specdec.drafters.dflash.checkpoint import config_from_dict, load_block_draft, save_block_draft
-from specdec.drafters.dflash.model import BlockDraftModel, ContextKV, build_target_layer_ids
+from specdec.drafters.dflash.model import BlockDraftModel, build_target_layer_ids
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target, layer_output_ids
 from specdec.testing.tiny import tiny_model
@@ -88,18 +88,6 @@ def test_context_cache_extended_over_steps_equals_a_fresh_start(target):
         fresh = d.start(_committed(target, d, [], seq, nxt), GREEDY)
         h_fresh = d.block_hidden(fresh, 5)
     torch.testing.assert_close(h_stateful, h_fresh, atol=1e-5, rtol=1e-5)
-
-
-def test_context_kv_compact_moves_valid_slots_to_the_front():
-    c = ContextKV(2, 1, torch.device("cpu"), torch.float32)
-    k = torch.arange(2 * 4, dtype=torch.float32).view(2, 1, 4, 1)
-    c.append([(k, k)], torch.tensor([4, 2]))
-    c.append([(k[:, :, :2] + 10, k[:, :, :2] + 10)], torch.tensor([0, 2]))
-    assert c.lengths.tolist() == [4, 4] and c.valid.shape == (2, 6)
-    c.compact()
-    keys, _ = c.layer(0)
-    assert keys.shape[2] == 4 and bool(c.valid.all())
-    assert keys[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0] and keys[1, 0, :, 0].tolist() == [4.0, 5.0, 14.0, 15.0]
 
 
 def test_same_drafts_as_transformers_dflash_candidate_generator(target):

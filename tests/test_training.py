@@ -321,7 +321,7 @@ def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
         compose_train("smollm2_eagle3", ["optim.stepz=3"])
 
 
-@pytest.mark.parametrize("folder", sorted(p.name for p in CHECKPOINTS.iterdir()))
+@pytest.mark.parametrize("folder", sorted(p.name for p in CHECKPOINTS.iterdir() if p.is_dir() and p.name != "__pycache__"))
 def test_every_committed_checkpoint_records_how_it_was_made(folder):
     """One ``training.json`` per checkpoint: the command that made it at a revision of this
     repository, and the one trainer's command for the same recipe (which writes to this folder)."""

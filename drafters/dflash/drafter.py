@@ -12,7 +12,7 @@ softmax and ``q_j`` is exactly that distribution; greedy drafting returns the ar
 ``q = None``. A model trained at block ``b`` runs at any ``k`` (smaller is exact to training;
 larger drafts positions it never learned).
 
-The context K/V cache (:class:`~specdec.drafters.dflash.model.ContextKV`) is extended at the next
+The context K/V cache (the one ragged :class:`~specdec.kv.KVStore`, a layer per draft layer) is extended at the next
 propose with the features of the tokens committed since (the anchor and accepted drafts); rejected
 drafts never enter it, so nothing has to be evicted.
 
@@ -31,10 +31,11 @@ import torch
 from torch import Tensor
 
 from specdec.drafter import Drafter
-from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, ContextKV, build_target_layer_ids
+from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
+from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target, layer_output_ids
-from specdec.types import Committed, DraftProposal, Requirements
+from specdec.types import Committed, DraftProposal, Requirements, chain_parents
 
 __all__ = ["BlockDrafter", "BlockState", "DFlashDrafter", "tiny_block_config"]
 
@@ -43,7 +44,7 @@ __all__ = ["BlockDrafter", "BlockState", "DFlashDrafter", "tiny_block_config"]
 class BlockState:
     anchors: Tensor  # [B] next token per row (sampled by the target, not yet committed)
     pending: list[Tensor]  # per row: target features [n, m·D] of committed tokens not yet in the cache
-    cache: ContextKV
+    cache: KVStore  # the context K/V per draft layer: one slot per committed token
 
 
 def tiny_block_config(target: Target, config_class: type[BlockDraftConfig] = BlockDraftConfig,
@@ -100,8 +101,11 @@ class BlockDrafter(Drafter):
     def start(self, prefill: Committed, rows: RowSampling) -> BlockState:
         feats = self._features(prefill)
         pending = [feats[b, :n] for b, n in enumerate(prefill.num_tokens.tolist())]
-        cache = ContextKV(len(pending), len(self.model.layers), self.target.device, self.target.dtype)
-        return BlockState(prefill.next_tokens.clone(), pending, cache)
+        return BlockState(prefill.next_tokens.clone(), pending, self.new_context(len(pending)))
+
+    def new_context(self, batch: int) -> KVStore:
+        """An empty context cache: the one ragged KV store, a layer per draft layer."""
+        return KVStore(batch, self.target.device, self.target.dtype, num_layers=len(self.model.layers))
 
     def observe(self, state: BlockState, committed: Committed) -> None:
         feats = self._features(committed)
@@ -113,7 +117,7 @@ class BlockDrafter(Drafter):
         idx = rows.tolist()
         state.anchors = state.anchors[rows.to(state.anchors.device)]
         state.pending[:] = [state.pending[i] for i in idx]
-        state.cache.select_rows(rows.to(state.cache.valid.device))
+        state.cache.select_rows(rows.to(state.cache.device))
 
     def _features(self, committed: Committed) -> Tensor:
         """The drafter's context features at the committed tokens: [B, m, n·D]."""
@@ -133,9 +137,12 @@ class BlockDrafter(Drafter):
         feats = torch.zeros(B, n, F, dtype=self.target.dtype, device=self.target.device)
         for b, p in enumerate(state.pending):
             feats[b, : p.shape[0]] = p
-        positions = state.cache.lengths.unsqueeze(1) + torch.arange(n, device=counts.device)
-        ctx = self.model.project_context(feats)
-        state.cache.append(self.model.context_kv(ctx, positions), counts)
+        store = state.cache
+        plan = store.plan(chain_parents(n, B, self.target.device))  # positions: each row's next n
+        for i, (k, v) in enumerate(self.model.context_kv(self.model.project_context(feats), plan.position_ids)):
+            store.write(i, k, v)
+        store.commit(torch.arange(n, device=counts.device).unsqueeze(0) < counts.unsqueeze(1))  # padding: holes
+        store.maybe_compact()
         state.pending[:] = [p[:0] for p in state.pending]
 
     @torch.inference_mode()
@@ -149,7 +156,7 @@ class BlockDrafter(Drafter):
         block = self.target.embed_tokens(tokens)
         mask = torch.cat([state.cache.valid, torch.ones(B, length, dtype=torch.bool, device=dev)], 1)
         mask = mask[:, None, :].expand(B, length, mask.shape[1])
-        kv = [state.cache.layer(i) for i in range(len(self.model.layers))] if state.cache.keys[0] is not None \
+        kv = [state.cache.layer(i) for i in range(len(self.model.layers))] if state.cache.num_slots \
             else [(block.new_zeros(B, self.cfg.num_key_value_heads, 0, self.cfg.head_dim),) * 2
                   for _ in self.model.layers]
         return self.model(block, positions, kv, mask)

@@ -9,8 +9,8 @@ position). The draft has no embedding or LM head of its own: both are the target
 
     K = k_norm([W_K·ctx ; W_K·h_blk]),  V = [W_V·ctx ; W_V·h_blk],  Q = q_norm(W_Q·h_blk)
 
-Because context K/V depend only on committed tokens, a drafter caches them
-(:class:`ContextKV`) and only appends the accepted tokens' entries after each step.
+Because context K/V depend only on committed tokens, a drafter caches them (in the one ragged
+:class:`~specdec.kv.KVStore`) and only appends the accepted tokens' entries after each step.
 
 ``target_layer_ids`` name layer **outputs** (0-indexed), as DFlash checkpoints do; the library's
 target captures layer *inputs*, so :func:`specdec.target.layer_output_ids` converts them.
@@ -31,7 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from specdec.drafters.layers import GQAttention, attend, rope
 
-__all__ = ["BlockDraftConfig", "BlockDraftModel", "ContextKV", "build_target_layer_ids"]
+__all__ = ["BlockDraftConfig", "BlockDraftModel", "build_target_layer_ids"]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -211,51 +211,3 @@ class BlockDraftModel(nn.Module):
         """Per-draft acceptance logits [..., γ] from the block hidden [..., γ, D] and previous
         tokens [..., γ]. None: DFlash predicts no confidences."""
         return None
-
-
-class ContextKV:
-    """The draft's context K/V cache, ragged across rows.
-
-    Holds, for every row, one slot per committed token whose target features were handed in.
-    Rows gain different numbers of slots per step (pad slots are marked invalid); since only
-    committed tokens enter, a rejected draft never needs evicting: the block's own K/V are never
-    stored.
-    """
-
-    def __init__(self, batch: int, num_layers: int, device: torch.device, dtype: torch.dtype):
-        self.keys: list[Tensor | None] = [None] * num_layers
-        self.values: list[Tensor | None] = [None] * num_layers
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)
-        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
-
-    def append(self, kv: list[tuple[Tensor, Tensor]], counts: Tensor) -> None:
-        """kv per layer [B, G, n, h] with row b's first ``counts[b]`` slots real."""
-        n = kv[0][0].shape[2] if kv else 0
-        new_valid = torch.arange(n, device=self.valid.device).unsqueeze(0) < counts.unsqueeze(1)
-        for i, (k, v) in enumerate(kv):
-            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k], 2)
-            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v], 2)
-        self.valid = torch.cat([self.valid, new_valid], 1)
-        self.lengths = self.lengths + counts
-        if self.valid.shape[1] > 64 and float(self.valid.float().mean()) < 0.5:
-            self.compact()
-
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        assert self.keys[i] is not None and self.values[i] is not None
-        return self.keys[i], self.values[i]
-
-    def compact(self) -> None:
-        """Move every row's valid slots to the front; drop columns no row needs."""
-        keep = int(self.lengths.max()) if self.valid.numel() else 0
-        order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, :keep]
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is None or v is None:
-                continue
-            idx = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            self.keys[i], self.values[i] = k.gather(2, idx), v.gather(2, idx)
-        self.valid = self.valid.gather(1, order)
-
-    def select_rows(self, rows: Tensor) -> None:
-        self.keys = [None if k is None else k[rows] for k in self.keys]
-        self.values = [None if v is None else v[rows] for v in self.values]
-        self.valid, self.lengths = self.valid[rows], self.lengths[rows]

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.dflash.drafter import BlockDrafter, BlockState
-from specdec.drafters.dflash.model import BlockDraftModel, ContextKV
+from specdec.drafters.dflash.model import BlockDraftModel
 from specdec.drafters.dspark.model import DSparkConfig, DSparkModel
 from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.kernels.markov import markov_chain, markov_sample
@@ -179,7 +179,7 @@ class DSparkDrafter(BlockDrafter):
         def draft(r: int) -> float:
             feats = torch.randn(r, context, self.model.fc.in_features, generator=gen).to(target.device, target.dtype)
             state = DSparkState(torch.zeros(r, dtype=torch.long, device=target.device), list(feats),
-                                ContextKV(r, len(self.model.layers), target.device, target.dtype), self.probe_every)
+                                self.new_context(r), self.probe_every)
             rows = RowSampling([SamplingParams(temperature=1.0, seed=0)] * r, target.device)
             self.extend_context(state)
             sync()
