@@ -12,7 +12,16 @@ transformers until something asks for them.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+# A source checkout keeps the sub-packages drafters/ and verifiers/ beside this folder and the
+# committed checkpoints in experiments/checkpoints/, mapped into specdec.* by pyproject.toml. When
+# Python imports specdec from the checkout itself (a REPL or script started in its root, whatever
+# the install), the sub-packages are found there too.
+_ROOT = Path(__file__).resolve().parent.parent
+if (_ROOT / "pyproject.toml").is_file() and (_ROOT / "drafters" / "__init__.py").is_file():
+    __path__ += [str(_ROOT), str(_ROOT / "experiments")]
 
 _EXPORTS = {
     "GenerationResult": "specdec.api", "generate": "specdec.api", "load_target": "specdec.api",

@@ -6,14 +6,6 @@ path (``SPECDEC_KERNELS=auto|torch|triton``). Triton itself is imported only whe
 runs. See ``docs/kernels.md``.
 """
 
-if __name__ != "specdec.kernels":  # the bare name `kernels` belongs to another PyPI package
-    raise ImportError(
-        "the folder kernels/ of the specdec repository was imported as the top-level package 'kernels':"
-        " Python is running with the repository root on sys.path (python -m or a REPL started there),"
-        " where the folder shadows the PyPI package of that name. Import it as specdec.kernels, and run"
-        " from another directory or use the installed commands (specdec-demo, pytest)."
-    )
-
 from specdec.kernels.compaction import gather_slots, gather_slots_reference
 from specdec.kernels.dispatch import backend_for, platform, triton_available, use_backend
 from specdec.kernels.markov import markov_chain, markov_sample, markov_sample_reference
