@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"specdec": ROOT / "specdec", "specdec.drafters": ROOT / "drafters",
-            "specdec.verifiers": ROOT / "verifiers", "specdec.kernels": ROOT / "kernels"}
+PACKAGES = {"specdec": ROOT / "specdec", "specdec.drafters": ROOT / "drafters", "specdec.verifiers": ROOT / "verifiers"}
 
 
 def _modules() -> dict[str, Path]:
@@ -23,8 +22,6 @@ def _modules() -> dict[str, Path]:
         for f in folder.rglob("*.py"):
             parts = f.relative_to(folder).with_suffix("").parts
             name = ".".join((pkg, *parts)).removesuffix(".__init__")
-            if pkg == "specdec" and parts[0] in ("drafters", "verifiers", "kernels"):
-                continue
             found[name] = f
     return found
 
