@@ -34,6 +34,7 @@ _EXPORTS = {
     "Drafter": "specdec.drafter", "Verifier": "specdec.verifier",
     "register_drafter": "specdec.registry", "register_verifier": "specdec.registry",
     "custom_generate": "specdec.hf",
+    "registry": None,  # a sub-module: specdec.registry
 }
 
 __all__ = sorted(_EXPORTS)
@@ -51,10 +52,10 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'specdec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module = _EXPORTS[name]
+    value = importlib.import_module(f"specdec.{name}") if module is None else getattr(importlib.import_module(module), name)
     globals()[name] = value  # later look-ups skip this function
     return value
 

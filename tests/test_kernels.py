@@ -8,7 +8,6 @@ tolerances each kernel module states. Vocabularies are not multiples of the inte
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -211,9 +210,7 @@ def test_gather_slots_kernel_equals_reference():
 
 
 # --- the conformance suite through the kernels ----------------------------------------------------
-_spec = importlib.util.spec_from_file_location("conformance_through_kernels", ROOT / "tests" / "test_conformance.py")
-conformance = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(conformance)
+import specdec.testing.conformance as conformance  # noqa: E402
 
 
 @pytest.fixture

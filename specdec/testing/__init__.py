@@ -29,7 +29,7 @@ from specdec.target import Target
 from specdec.types import Committed, DraftProposal
 from specdec.verifier import Verifier
 
-__all__ = ["chi_square", "greedy_reference", "assert_greedy_equivalent", "sampled_gof", "q_contract",
+__all__ = ["run_conformance", "chi_square", "greedy_reference", "assert_greedy_equivalent", "sampled_gof", "q_contract",
            "RandomDrafter", "Recording", "tree_parents"]
 
 
@@ -303,3 +303,24 @@ class RandomDrafter(Drafter):
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> RandomDrafter:
         return cls.create(target, **overrides)
+
+
+def run_conformance(*drafters: str | type[Drafter], pytest_args: tuple[str, ...] = ("-q",)) -> int:
+    """Run the conformance suite on ``drafters`` (classes, registered names or ``module:Class``),
+    each built with its own ``tiny(target)``; returns pytest's exit code (0: every check passed).
+
+    Works from any directory, inside or outside this repository::
+
+        from specdec.testing import run_conformance
+        assert run_conformance(MyDrafter) == 0
+    """
+    import pytest
+
+    from specdec.testing import conformance, plugin
+
+    if not drafters:
+        raise ValueError("run_conformance needs at least one drafter")
+    plugin.CASES.clear()
+    plugin.CASES.update(plugin.drafter_factory(d) for d in drafters)
+    return int(pytest.main([conformance.__file__, "-p", "specdec.testing.plugin", "-p", "no:cacheprovider",
+                            *pytest_args]))
