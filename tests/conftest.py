@@ -25,7 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
 
-from specdec.drafters import DRAFTERS, DraftModelDrafter  # noqa: E402
+from specdec.drafters import DraftModelDrafter  # noqa: E402
+from specdec.registry import DRAFTERS as REGISTRY  # noqa: E402
 from specdec.target import Target  # noqa: E402
 from specdec.testing import RandomDrafter  # noqa: E402
 from specdec.testing.tiny import tiny_model  # noqa: E402
@@ -34,9 +35,11 @@ VOCAB = 32
 
 
 def _registry_case(name):
-    return lambda target: DRAFTERS[name].tiny(target)
+    return lambda target: REGISTRY.get(name).tiny(target)
 
 
+# every drafter the registry knows (specdec's own and any installed package's), by its tiny() factory
+DRAFTERS = {name: REGISTRY.get(name) for name in REGISTRY.names()}
 CASES = {f"{name}[tiny]": _registry_case(name) for name in DRAFTERS}
 CASES.update({
     "draft_model[self]": lambda t: DraftModelDrafter.create(t, model=t.model),
