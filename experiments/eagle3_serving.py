@@ -6,7 +6,7 @@
     .venv/bin/python experiments/eagle3_serving.py <folder> --tree dynamic --k 5 --top-k 4 --budget 16
 
 The folder must hold a speculators-format checkpoint (what ``save_eagle3`` and
-``experiments/train_eagle3.py`` write); the verifier it names is the target to serve.
+the EAGLE-3 recipe of ``experiments/train.py`` write); the verifier it names is the target to serve.
 """
 
 from __future__ import annotations
