@@ -164,7 +164,8 @@ def test_reads_zlab_and_speculators_layouts_and_round_trips(target, tmp_path):
                   {**weights, **extra})
     spec = _write(tmp_path / "spec", {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
                                       "transformer_layer_config": {"model_type": "qwen3", **_arch(cfg)},
-                                      "aux_hidden_state_layer_ids": cfg.target_layer_ids, "block_size": cfg.block_size,
+                                      "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+                                      "block_size": cfg.block_size,
                                       "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size},
                   {**weights, "verifier_lm_head.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)})
     for folder in (zlab, spec):
@@ -172,9 +173,9 @@ def test_reads_zlab_and_speculators_layouts_and_round_trips(target, tmp_path):
         assert type(loaded) is BlockDraftModel and loaded.cfg.target_layer_ids == cfg.target_layer_ids
         _same(loaded, d.model)
         DFlashDrafter.create(target, checkpoint=str(folder))  # binds
-    # a speculators file whose anchor drafts is a DSpark backbone without heads (DSpark registers it)
+    # a speculators DFlash file whose anchor drafts is a DSpark backbone without heads (DSpark registers it)
     anchored = _write(tmp_path / "spec_anchor", {**json.loads((spec / "config.json").read_text()),
-                                                 "speculators_model_type": "dspark", "sample_from_anchor": True}, weights)
+                                                 "sample_from_anchor": True}, weights)
     loaded = load_block_draft(anchored)
     assert loaded.cfg.anchor_predicts and loaded.cfg.markov_rank == 0 and not loaded.cfg.enable_confidence_head
     _same(loaded, d.model)
@@ -261,3 +262,83 @@ def test_draft_vocabulary_masks_drafts_and_round_trips(target, tmp_path):
     assert loaded.t2d is not None and torch.equal(loaded.t2d, t2d)
     with pytest.raises(ValueError, match="t2d"):
         d.model.set_draft_vocab(torch.zeros(target.vocab_size, dtype=torch.bool))
+
+
+def _drafts(d: DFlashDrafter, target: Target) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = RowSampling([SamplingParams(temperature=1.0, seed=0)])
+    prop = d.propose(d.start(_committed(target, d, [], [1, 2, 3, 4], 6), rows), 3, rows)
+    return prop.tokens, prop.q
+
+
+def test_speculators_layer_ids_index_hidden_states(target, tmp_path):
+    """speculators' aux ids are hidden_states indices (z-lab id + 1): the same weights under both
+    layouts draft from the same layers, and our speculators export writes them that way."""
+    d = DFlashDrafter.tiny(target)
+    cfg, weights = d.cfg, d.model.state_dict()
+    aux = [i + 1 for i in cfg.target_layer_ids]
+    spec = _write(tmp_path / "spec", {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
+                                      "transformer_layer_config": {"model_type": "qwen3", **_arch(cfg)},
+                                      "aux_hidden_state_layer_ids": aux, "block_size": cfg.block_size,
+                                      "mask_token_id": cfg.mask_token_id, "draft_vocab_size": cfg.vocab_size}, weights)
+    loaded = DFlashDrafter.create(target, checkpoint=str(spec))
+    assert loaded.cfg.target_layer_ids == cfg.target_layer_ids and loaded.hidden_ids == tuple(aux)
+    for a, b in zip(_drafts(loaded, target), _drafts(d, target)):
+        torch.testing.assert_close(a, b)
+    out = save_block_draft(d.model, tmp_path / "ours", dtype=torch.float32, layout="speculators", verifier="tiny")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == aux
+    assert config["draft_vocab_size"] == cfg.vocab_size and not config["sample_from_anchor"]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.block_size - 1
+    again = DFlashDrafter.create(target, checkpoint=str(out))
+    for a, b in zip(_drafts(again, target), _drafts(d, target)):
+        torch.testing.assert_close(a, b)
+
+
+def test_dflash_refuses_a_dspark_checkpoint(target, tmp_path):
+    from specdec.drafters.dspark.drafter import DSparkDrafter
+
+    m = DSparkDrafter.tiny(target).model
+    for layout, field in (("native", "Qwen3DSparkModel"), ("speculators", 'speculators_model_type: "dspark"')):
+        folder = save_block_draft(m, tmp_path / layout, dtype=torch.float32, layout=layout)
+        with pytest.raises(ValueError, match=field):
+            DFlashDrafter.create(target, checkpoint=str(folder))
+    with pytest.raises(ValueError, match="anchor_predicts"):
+        DFlashDrafter(m)
+
+
+def test_newer_zlab_fields_are_read_or_refused(target, tmp_path):
+    d = DFlashDrafter.tiny(target)
+    cfg = d.cfg
+    base = {"architectures": ["DFlashDraftModel"], **_arch(cfg),
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+                              "block_size": 6}}
+    assert config_from_dict(base).block_size == 6  # newer files keep block_size inside dflash_config
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None,
+               "is_causal": False, "layer_types": ["full_attention"] * cfg.num_hidden_layers, "sliding_window": 4}
+    assert config_from_dict({**base, **neutral}).block_size == 6
+    for key, value in (("input_embedding_scale", 2.0), ("output_multiplier", 0.5), ("final_logit_softcapping", 30.0),
+                       ("is_causal", True), ("layer_types", ["sliding_attention"] * cfg.num_hidden_layers)):
+        with pytest.raises(ValueError, match=key):
+            config_from_dict({**base, key: value})
+        with pytest.raises(ValueError, match=f"dflash_config.{key}"):
+            config_from_dict({**base, "dflash_config": {**base["dflash_config"], key: value}})
+    with pytest.raises(ValueError, match="disagree"):
+        config_from_dict({**base, "block_size": 8})
+
+
+def test_exports_are_what_vllm_reads(target, tmp_path):
+    """vLLM's DFlash model reads ``draft_vocab_size`` as the rows of a draft LM head (with a d2t
+    map when smaller than the target's vocabulary): exports with a t2d mask must not write it
+    (speculators' must write the full one); z-lab's MLX loader reads ``rope_theta``."""
+    d = DFlashDrafter.tiny(target)
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[[3, 5, 7]] = True
+    d.model.set_draft_vocab(t2d)
+    native = json.loads((save_block_draft(d.model, tmp_path / "z", dtype=torch.float32) / "config.json").read_text())
+    assert "draft_vocab_size" not in native
+    assert native["rope_theta"] == native["rope_parameters"]["rope_theta"]
+    spec = json.loads((save_block_draft(d.model, tmp_path / "s", dtype=torch.float32, layout="speculators")
+                       / "config.json").read_text())
+    assert spec["draft_vocab_size"] == target.vocab_size
+    assert spec["transformer_layer_config"]["rope_theta"] == native["rope_theta"]
+    assert torch.equal(load_block_draft(tmp_path / "s").t2d, t2d)

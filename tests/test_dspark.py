@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dspark.drafter import DSparkDrafter
@@ -17,6 +18,7 @@ from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
 from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.testing import assert_greedy_equivalent, greedy_reference
+from specdec.types import Committed
 from specdec.verifiers import GreedyVerifier
 
 V = 32
@@ -225,3 +227,47 @@ def test_scheduler_is_lossless_sampled(target, monkeypatch):
     assert len(r.pvalues) >= 3, "too few conditional tests: the check would prove nothing"
     worst = min(zip(r.pvalues, r.tests))
     assert worst[0] > 1e-3 / len(r.pvalues), f"not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
+
+
+def test_reads_and_writes_the_speculators_dspark_layout(target, tmp_path):
+    """speculators' DSparkSpeculatorConfig names: head fields at top level, hidden_states ids; our
+    export in that layout loads back and drafts identically; a file built by hand with those names
+    (and speculators' extra tensors) loads too."""
+    d = DSparkDrafter.tiny(target, markov_head_type="gated", confidence_temperatures=[1.5, 1.0])
+    cfg = d.cfg
+    folder = save_block_draft(d.model, tmp_path / "ours", dtype=torch.float32, layout="speculators", verifier="tiny")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
+    assert config["markov_rank"] == cfg.markov_rank and config["markov_head_type"] == "gated"
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"] and config["sample_from_anchor"]
+    assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in cfg.target_layer_ids]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == cfg.block_size
+    again = DSparkDrafter.create(target, checkpoint=str(folder))
+    assert again.cfg == cfg
+    with torch.no_grad():
+        hs = target.model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states
+    prefill = Committed(tokens=torch.tensor([[1, 2, 3, 4]]), num_tokens=torch.tensor([4]),
+                        positions=torch.arange(4)[None], next_tokens=torch.tensor([6]),
+                        active=torch.ones(1, dtype=torch.bool), hidden={i: hs[i] for i in d.hidden_ids})
+    props = []
+    for drafter in (d, again):
+        rows = RowSampling([SamplingParams(temperature=1.0, seed=0)])  # a fresh generator per drafter
+        props.append(drafter.propose(drafter.start(prefill, rows), 3, rows))
+    torch.testing.assert_close(props[0].tokens, props[1].tokens)
+    torch.testing.assert_close(props[0].q, props[1].q)
+    # by hand, with speculators' own names and tensors (embedding, LM head, verifier norm: skipped)
+    hand = tmp_path / "hand"
+    hand.mkdir()
+    t = config["transformer_layer_config"]
+    (hand / "config.json").write_text(json.dumps({
+        "speculators_model_type": "dspark", "transformer_layer_config": t, "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size, "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id, "markov_rank": cfg.markov_rank, "markov_head_type": "gated"}))
+    state = {k: v.contiguous() for k, v in d.model.state_dict().items()}
+    state |= {"lm_head.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size),
+              "verifier_norm.weight": torch.ones(cfg.hidden_size)}
+    save_file(state, str(hand / "model.safetensors"))
+    loaded = load_block_draft(hand)  # absent head flags: speculators' defaults (both heads on)
+    assert isinstance(loaded, DSparkModel) and loaded.cfg.enable_confidence_head and loaded.cfg.markov_rank == 4
+    for k, v in d.model.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v)

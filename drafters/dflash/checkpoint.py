@@ -9,16 +9,18 @@ All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k
   (older files put the last two at top level). Written by :func:`save_block_draft` for DFlash.
 - **speculators** (``speculators_model_type: "dflash" | "dspark"``): the transformer fields under
   ``transformer_layer_config``, ids in ``aux_hidden_state_layer_ids``, ``mask_token_id``,
-  ``block_size``, and ``sample_from_anchor`` (the anchor drafts too, as DSpark). A reduced draft
-  vocabulary (a smaller LM head with ``d2t``) is not supported; a ``t2d`` mask over the full
-  vocabulary is read as the draft vocabulary.
+  ``block_size``, and ``sample_from_anchor`` (the anchor drafts too, as DSpark). Its ids index
+  ``hidden_states`` (0 = the embeddings), so each is the z-lab id + 1 (speculators' converter adds
+  one; vLLM subtracts it). A reduced draft vocabulary (a smaller LM head with ``d2t``) is not
+  supported; a ``t2d`` mask over the full vocabulary is read as the draft vocabulary. Written by
+  :func:`save_block_draft` with ``layout="speculators"``.
 - **DeepSpec** (``architectures: ["Qwen3DSparkModel"]``): a copy of the target's config plus
   ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``markov_rank``, ``markov_head_type``,
   ``enable_confidence_head``, ``confidence_head_with_markov``; weights add
   ``markov_head.markov_w{1,2}.weight`` and ``confidence_head.proj.*``. DFlash checkpoints of
   DeepSpec are the same with ``markov_rank: 0`` and no confidence head. Written for DSpark.
 
-This module reads the backbone's fields of every layout and writes the z-lab one. Which family a
+This module reads the backbone's fields of every layout and writes the z-lab and speculators ones. Which family a
 file holds follows from its layout (z-lab: DFlash; DeepSpec, and speculators files whose anchor
 drafts: DSpark); a family that extends the backbone registers how it reads its own fields and
 writes its layout (:func:`register_block_family`; DSpark does in
@@ -26,8 +28,10 @@ writes its layout (:func:`register_block_family`; DSpark does in
 
 Embeddings and LM head, when a file carries them, are skipped: the target's are used. An
 optional ``t2d`` tensor ([V] bool) restricts drafts to a draft vocabulary
-(:meth:`~specdec.drafters.dflash.model.BlockDraftModel.set_draft_vocab`). Weights are read with
-safetensors only; nothing is unpickled.
+(:meth:`~specdec.drafters.dflash.model.BlockDraftModel.set_draft_vocab`); exports write no
+``draft_vocab_size`` beside it in z-lab/DeepSpec files (vLLM would read it as the row count of a
+draft LM head with a ``d2t`` map) and the full vocabulary's in speculators files. Weights are
+read with safetensors only; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from safetensors.torch import save_file
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel
 from specdec.models import safetensors_files
 
-__all__ = ["BlockFamily", "register_block_family", "config_from_dict", "load_block_draft", "save_block_draft"]
+__all__ = ["BlockFamily", "register_block_family", "config_from_dict", "checkpoint_family", "load_block_draft",
+           "save_block_draft"]
 
 _SKIP = ("embed_tokens.", "lm_head.", "verifier_", "d2t")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -61,6 +66,8 @@ class BlockFamily:
     read: Callable[[dict[str, Any], str, dict[str, Any]], BlockDraftConfig]
     # (config, the backbone's architecture fields) → the config.json the family writes
     write: Callable[[Any, dict[str, Any]], dict[str, Any]]
+    # config → the family's own fields of a speculators config.json (its architectures, its heads)
+    speculators: Callable[[Any], dict[str, Any]] = lambda cfg: {"architectures": ["DFlashSpeculator"]}
 
 
 def _zlab_config(cfg: BlockDraftConfig, arch: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +83,23 @@ _FAMILIES: dict[str, BlockFamily] = {
 def register_block_family(name: str, family: BlockFamily) -> None:
     """Let :func:`load_block_draft` and :func:`save_block_draft` handle ``name``'s checkpoints."""
     _FAMILIES[name] = family
+
+
+# z-lab fields of newer DFlash drafts this backbone does not implement, with their neutral values
+_NEUTRAL = {"input_embedding_scale": (None, 1, 1.0), "output_multiplier": (None, 1, 1.0),
+            "final_logit_softcapping": (None,), "is_causal": (None, False), "causal": (None, False),
+            "use_swa": (None, False), "attention_sink_bias": (None, False)}
+
+
+def _check_unsupported(c: dict[str, Any], where: str) -> None:
+    """Refuse fields whose non-neutral value would change what the draft computes."""
+    for key, neutral in _NEUTRAL.items():
+        if c.get(key) not in neutral:
+            raise ValueError(f"{where}{key} = {c[key]!r} is not supported (only {neutral[-1]!r}): this draft"
+                             " network does not implement it")
+    if any(t != "full_attention" for t in c.get("layer_types") or []):
+        raise ValueError(f"{where}layer_types = {c['layer_types']!r} is not supported: sliding-window draft layers"
+                         " are not implemented (every layer must be full_attention)")
 
 
 def _rope(c: dict[str, Any]) -> dict[str, Any]:
@@ -106,34 +130,53 @@ def detect_layout(c: dict[str, Any]) -> str:
     raise ValueError(f"not a DFlash/DSpark checkpoint config (architectures {c.get('architectures')})")
 
 
-def _backbone(c: dict[str, Any], layout: str) -> tuple[str, dict[str, Any]]:
-    """The family a ``config.json`` holds and the backbone's fields in it."""
+def checkpoint_family(c: dict[str, Any]) -> tuple[str, str]:
+    """The family a ``config.json`` holds (``"dflash"`` or ``"dspark"``) and the field that shows it."""
+    layout = detect_layout(c)
+    if layout == "speculators":
+        if c["speculators_model_type"] == "dspark":
+            return "dspark", 'speculators_model_type: "dspark"'
+        anchored = bool(c.get("sample_from_anchor", False))
+        return ("dspark" if anchored else "dflash"), f"sample_from_anchor: {str(anchored).lower()}"
+    if layout == "deepspec":
+        return "dspark", (f"architectures: {c['architectures']}" if c.get("architectures") else "markov_rank")
+    return "dflash", (f"architectures: {c['architectures']}" if c.get("architectures") else "dflash_config")
+
+
+def _backbone(c: dict[str, Any], layout: str) -> dict[str, Any]:
+    """The backbone's fields in a ``config.json``."""
     if layout == "speculators":
         t = c["transformer_layer_config"]
+        _check_unsupported(t, "transformer_layer_config.")
         draft_vocab = c.get("draft_vocab_size")
         if draft_vocab is not None and draft_vocab != t["vocab_size"]:
             raise ValueError(f"speculators checkpoint with a reduced draft vocabulary ({draft_vocab} of"
                              f" {t['vocab_size']}) is not supported")
         if c.get("projector_type", "dflash") != "dflash":
             raise ValueError(f"speculators projector_type {c['projector_type']!r} is not supported")
-        family = "dspark" if c.get("sample_from_anchor", False) else "dflash"
-        return family, dict(**_arch(t), num_target_layers=c.get("num_target_layers"),
-                            target_layer_ids=list(c["aux_hidden_state_layer_ids"]),
-                            mask_token_id=int(c["mask_token_id"]), block_size=int(c["block_size"]))
+        # speculators' ids index hidden_states (0 = embeddings): one more than the layer whose output they name
+        return dict(**_arch(t), num_target_layers=c.get("num_target_layers"),
+                    target_layer_ids=[int(i) - 1 for i in c["aux_hidden_state_layer_ids"]],
+                    mask_token_id=int(c["mask_token_id"]), block_size=int(c["block_size"]))
     if layout == "deepspec":
-        return "dspark", dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
-                              target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
-                              block_size=int(c["block_size"]))
+        return dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                    target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
+                    block_size=int(c["block_size"]))
     dc = c.get("dflash_config") or {}
-    return "dflash", dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
-                          target_layer_ids=list(dc.get("target_layer_ids", c.get("target_layer_ids"))),
-                          mask_token_id=int(dc.get("mask_token_id", c.get("mask_token_id"))),
-                          block_size=int(c.get("block_size", 16)))
+    _check_unsupported(c, "")
+    _check_unsupported(dc, "dflash_config.")
+    blocks = {int(b) for b in (c.get("block_size"), dc.get("block_size")) if b is not None}
+    if len(blocks) > 1:
+        raise ValueError(f"block_size {c['block_size']} and dflash_config.block_size {dc['block_size']} disagree")
+    return dict(**_arch(c), num_target_layers=c.get("num_target_layers"),
+                target_layer_ids=list(dc.get("target_layer_ids", c.get("target_layer_ids"))),
+                mask_token_id=int(dc.get("mask_token_id", c.get("mask_token_id"))),
+                block_size=blocks.pop() if blocks else 16)
 
 
 def _read(c: dict[str, Any]) -> tuple[BlockFamily, BlockDraftConfig]:
     layout = detect_layout(c)
-    name, backbone = _backbone(c, layout)
+    name, backbone = checkpoint_family(c)[0], _backbone(c, layout)
     if name not in _FAMILIES:
         raise ValueError(f"a {name} checkpoint, but no {name} drafter registered its layouts")
     family = _FAMILIES[name]
@@ -169,23 +212,41 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     return model.to(dtype).eval()
 
 
+def _speculators_config(name: str, family: BlockFamily, cfg: BlockDraftConfig, arch: dict[str, Any],
+                        verifier: str | None) -> dict[str, Any]:
+    """speculators' layout (``DFlashSpeculatorConfig`` / ``DSparkSpeculatorConfig`` field names)."""
+    layer = {k: v for k, v in arch.items() if k not in ("num_target_layers", "block_size")}
+    return {"speculators_model_type": name, **family.speculators(cfg), "transformer_layer_config": layer,
+            "draft_vocab_size": cfg.vocab_size,  # the target's full head: no d2t map
+            "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+            "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # hidden_states indices
+            "mask_token_id": cfg.mask_token_id, "sample_from_anchor": cfg.anchor_predicts,
+            "speculators_config": {"algorithm": name, "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": cfg.num_drafts}],
+                                   "verifier": {"name_or_path": verifier, "architectures": []}}}
+
+
 def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-                     extra: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` in the model family's layout: z-lab for
-    DFlash, DeepSpec for DSpark. No embedding or LM head is stored."""
+                     extra: dict[str, Any] | None = None, layout: str = "native",
+                     verifier: str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors``: ``layout="native"`` is the family's own
+    (z-lab for DFlash, DeepSpec for DSpark), ``"speculators"`` speculators' (``verifier``, the
+    target's hub id or path, is recorded there). No embedding or LM head is stored."""
+    if layout not in ("native", "speculators"):
+        raise ValueError(f"layout must be 'native' or 'speculators', got {layout!r}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    arch = {k: getattr(cfg, k) for k in _ARCH_FIELDS} | {"rope_parameters": cfg.rope_parameters,
+    rope = dict(cfg.rope_parameters)
+    arch = {k: getattr(cfg, k) for k in _ARCH_FIELDS} | {"rope_parameters": rope, "rope_theta": rope["rope_theta"],
                                                          "num_target_layers": cfg.num_target_layers,
                                                          "block_size": cfg.block_size, "model_type": "qwen3",
                                                          "tie_word_embeddings": False}
-    family = next((f for f in _FAMILIES.values() if type(model) is f.model_class), None)
+    name, family = next(((n, f) for n, f in _FAMILIES.items() if type(model) is f.model_class), (None, None))
     if family is None:
         raise ValueError(f"no block-draft family registered for {type(model).__name__}")
-    config = family.write(cfg, arch)
-    if model.t2d is not None:
-        config["draft_vocab_size"] = int(model.t2d.sum())  # tokens drafted; the mask is the tensor t2d
+    config = family.write(cfg, arch) if layout == "native" else _speculators_config(name, family, cfg, arch, verifier)
     config.update(extra or {})
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
              for k, v in model.state_dict().items()}

@@ -23,6 +23,8 @@ marker the chat model never emits (recorded in the checkpoint config).
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -185,7 +187,7 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def _load(cls, options: dict[str, Any]) -> BlockDraftModel:
-        from specdec.drafters.dflash.checkpoint import load_block_draft
+        from specdec.drafters.dflash.checkpoint import checkpoint_family, load_block_draft
 
         model = options.pop("model", None)
         if model is not None:
@@ -194,11 +196,22 @@ class BlockDrafter(Drafter):
         if not path or not Path(path).is_dir():
             raise ValueError(f"{cls.name} needs `checkpoint`, a local folder (z-lab, speculators or DeepSpec"
                              f" layout), or `model`; got {path!r}")
-        return load_block_draft(path)
+        model = load_block_draft(path)
+        family, field = checkpoint_family(json.loads((Path(path) / "config.json").read_text()))
+        if family != cls.name:
+            raise ValueError(f"{cls.name} cannot draft with {path}: it is a {family} checkpoint ({field});"
+                             f" use the {family} drafter")
+        return model
 
 
 class DFlashDrafter(BlockDrafter):
     name = "dflash"
+
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False):
+        if model.cfg.anchor_predicts:
+            raise ValueError(f"dflash needs a model whose anchor does not draft; {type(model).__name__}'s does"
+                             " (anchor_predicts: a DSpark model); use the dspark drafter")
+        super().__init__(model, greedy_draft)
 
     @torch.inference_mode()
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:

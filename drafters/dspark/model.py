@@ -7,8 +7,9 @@ The blocks differ from DFlash's in one convention: position 0 (the anchor) draft
 of ``b`` gives ``b`` drafts.
 
 This module also registers how the checkpoint layouts hold DSpark
-(:func:`specdec.drafters.dflash.checkpoint.register_block_family`): DeepSpec's ``config.json``
-carries the head fields; a speculators file whose anchor drafts is a DSpark backbone without heads.
+(:func:`specdec.drafters.dflash.checkpoint.register_block_family`): DeepSpec's and speculators'
+DSpark ``config.json`` carry the head fields (same names); a speculators DFlash file whose anchor
+drafts is a DSpark backbone without heads.
 """
 
 from __future__ import annotations
@@ -72,24 +73,42 @@ class DSparkModel(BlockDraftModel):
         return self.confidence_head(hidden, emb)
 
 
+# absent head fields: each layout's own defaults (speculators' DSparkSpeculatorConfig has both heads on)
+_HEAD_DEFAULTS = {"deepspec": {"markov_rank": 0, "markov_head_type": "vanilla", "enable_confidence_head": False,
+                               "confidence_head_with_markov": False},
+                  "speculators": {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                                  "confidence_head_with_markov": True}}
+
+
 def _read(c: dict[str, Any], layout: str, backbone: dict[str, Any]) -> DSparkConfig:
-    """DeepSpec's head fields (absent ones off); other layouts carry no heads."""
-    if layout != "deepspec":
+    """The head fields of DeepSpec and speculators DSpark files; a speculators DFlash file whose
+    anchor drafts (``sample_from_anchor``) is a backbone without heads."""
+    if layout not in _HEAD_DEFAULTS or c.get("speculators_model_type") == "dflash":
         return DSparkConfig(**backbone)
-    return DSparkConfig(**backbone, markov_rank=int(c.get("markov_rank", 0)),
-                        markov_head_type=str(c.get("markov_head_type", "vanilla")).lower(),
-                        enable_confidence_head=bool(c.get("enable_confidence_head", False)),
-                        confidence_head_with_markov=bool(c.get("confidence_head_with_markov", False)),
+    heads = {k: c.get(k, v) for k, v in _HEAD_DEFAULTS[layout].items()}
+    return DSparkConfig(**backbone, markov_rank=int(heads["markov_rank"]),
+                        markov_head_type=str(heads["markov_head_type"]).lower(),
+                        enable_confidence_head=bool(heads["enable_confidence_head"]),
+                        confidence_head_with_markov=bool(heads["confidence_head_with_markov"]),
                         confidence_temperatures=c.get("confidence_temperatures"))
+
+
+def _heads(cfg: DSparkConfig) -> dict[str, Any]:
+    return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+            "enable_confidence_head": cfg.enable_confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov,
+            "confidence_temperatures": cfg.confidence_temperatures}
 
 
 def _write(cfg: DSparkConfig, arch: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpec layout."""
     return {"architectures": ["Qwen3DSparkModel"], **arch, "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": cfg.target_layer_ids, "markov_rank": cfg.markov_rank,
-            "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
-            "confidence_head_with_markov": cfg.confidence_head_with_markov,
-            "confidence_temperatures": cfg.confidence_temperatures}
+            "target_layer_ids": cfg.target_layer_ids, **_heads(cfg)}
 
 
-register_block_family("dspark", BlockFamily(DSparkModel, _read, _write))
+def _speculators(cfg: DSparkConfig) -> dict[str, Any]:
+    """speculators' DSparkSpeculatorConfig fields beyond the backbone's."""
+    return {"architectures": ["DSparkSpeculator"], **_heads(cfg)}
+
+
+register_block_family("dspark", BlockFamily(DSparkModel, _read, _write, _speculators))
