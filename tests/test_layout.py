@@ -57,7 +57,7 @@ ALLOWED = {
     "specdec.drafters": {"core", "specdec.kernels", "specdec.training", "specdec.testing"},
     "specdec.training": {"core", "specdec.eval", "specdec.verifiers"},
     "specdec.eval": {"core", "specdec.testing"},
-    "specdec.testing": {"core"},
+    "specdec.testing": {"core", "specdec.verifiers"},  # the suite verifies with every verifier
 }
 
 
