@@ -12,7 +12,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
 BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp
 
-.PHONY: setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
+.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
 
 setup: $(VENV)/.installed
 
@@ -55,3 +55,11 @@ sweep-ngram: setup
 sweep-drafters: setup
 	$(PY) experiments/run.py --config-name smollm2_drafters -m progress=false
 	$(PY) experiments/report.py multirun/smollm2_drafters
+
+# The GPU kit (docs/gpu.md): kernels, the loop at Llama-3.1-8B scale, planted and real acceptance, in
+# under 8 minutes on an H200; results into OUT. DRY_RUN=1: the CPU run at tiny shapes (the tests run it).
+# No set-up: a GPU machine without network runs it with its own python3 (torch, transformers, safetensors).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-bench:
+	@test -n "$(OUT)" || { echo "usage: make gpu-bench OUT=<folder> [DRY_RUN=1]"; exit 2; }
+	$(GPU_PY) experiments/gpu_bench.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run)

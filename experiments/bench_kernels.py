@@ -1,7 +1,7 @@
 """Rejection-sampler benchmark: the Triton kernel against its torch reference, same inputs.
 
 For B ∈ {1, 8, 64}, k ∈ {3, 7, 15}, V ∈ {32k, 152k} (a chain; ``--mode`` picks warped probs with
-dense q, raw logits + temperature, or a deterministic draft): median time of each and the
+dense q, raw logits + temperature, a deterministic draft, or greedy: the greedy verifier's call): median time of each and the
 achieved bandwidth, counting the bytes of target scores and q (``B·(k+1)·V`` and ``B·k·V``
 float32s) over the time. That is what the torch reference reads; the kernel reads less when
 drafts are rejected early, so its figure is an effective bandwidth. Prints a markdown table and the
@@ -24,20 +24,24 @@ from specdec.kernels.dispatch import interpreting
 from specdec.types import chain_parents
 
 
-def make_inputs(B: int, k: int, V: int, device: str, mode: str, seed: int = 0):
+def make_inputs(B: int, k: int, V: int, device: str, mode: str, seed: int = 0, tree: bool = False):
     """Positional arguments and keyword arguments of one rejection_sample call, and the bytes of
-    target scores and q it must read at most."""
+    target scores and q it must read at most. ``tree``: two children of the root, then two chains
+    (parents ``[-1, -1, 0, 1, 2, 3, …]``), so a rejected first child leaves its sibling to test."""
     g = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(B, k + 1, V, device=device, generator=g)
     q = (logits[:, 1:] + 0.5 * torch.randn(B, k, V, device=device, generator=g)).softmax(-1)
     tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, k)
     u = torch.rand(B, k, device=device, generator=g)
     noise = torch.empty(B, V, device=device).exponential_(generator=g)
-    if mode == "deterministic":
+    if mode in ("deterministic", "greedy"):  # greedy: the greedy verifier's call, no q and no noise
         q = None
-    args = (tokens, chain_parents(k, B, device), torch.full((B,), k, device=device), u, noise, q)
-    if mode == "logits":
-        kwargs = dict(logits=logits, temperature=torch.full((B,), 0.8, device=device))
+    if mode == "greedy":
+        noise = None
+    parents = (torch.arange(k, device=device) - 2).clamp(min=-1).expand(B, k).clone() if tree else chain_parents(k, B, device)
+    args = (tokens, parents, torch.full((B,), k, device=device), u, noise, q)
+    if mode in ("logits", "greedy"):
+        kwargs = dict(logits=logits, temperature=torch.full((B,), 0.8 if mode == "logits" else 0.0, device=device))
     else:
         kwargs = dict(probs=logits.softmax(-1))
     return args, kwargs, (logits.numel() + (q.numel() if q is not None else 0)) * 4
@@ -62,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): checks it runs")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--mode", choices=("probs", "logits", "deterministic"), default="probs",
+    ap.add_argument("--mode", choices=("probs", "logits", "deterministic", "greedy"), default="probs",
                     help="warped probabilities and dense q (default), raw logits + temperature, or q None")
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -1,0 +1,551 @@
+"""The GPU kit: kernels compiled, the loop at real scale, planted and real acceptance, in one run.
+
+    make gpu-bench OUT=docs/gpu/h200            # a CUDA or ROCm machine (docs/gpu.md)
+    make gpu-bench OUT=/tmp/dry DRY_RUN=1       # CPU, tiny shapes (the test suite runs this)
+
+Writes into OUT: ``env.json`` (GPU, driver, versions, or "cpu dry run"), ``results.json`` (every
+measurement, and which sections were skipped for time), ``results.md`` (the tables) and, when
+matplotlib is there, ``kernels.png``, ``forward.png``, ``planted.png``. Hard dependencies: torch,
+transformers, safetensors (matplotlib and Triton optional). Runs from a bare checkout: specdec need
+not be installed, and no registry entry point, hydra or offline model package is used.
+
+Sections, in order (``--budget-s`` skips the rest when the next would not fit, and records it):
+
+1. **kernels**: every Triton kernel against its torch reference on the same inputs: identical
+   integers / allclose floats, median time (``triton.testing.do_bench`` on a GPU, a
+   ``perf_counter`` loop on CPU), bytes over time as % of a measured device-to-device ``copy_``,
+   speedup over the reference. Real shapes on a GPU; tiny ones in the dry run, where the Triton
+   path runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before triton is imported),
+   or only the reference when triton is absent (``results.json`` says which).
+2. **forward**: a random-weight Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, MLP 14336,
+   vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
+   one forward over m new tokens after a 512-token context, ``t(m)/t(1)``.
+3. **planted**: end-to-end greedy decoding on that target with :class:`PlantedDrafter` (its own
+   greedy continuation, each position accepted with probability p): measured speedup vs the
+   same loop without a drafter, and the speedup predicted from acceptance and measured costs
+   (``specdec.eval.runner.predicted_speedup``). A systems benchmark: acceptance is planted.
+4. **mtp**: the committed tiny DeepSeek-V3 with its MTP modules, fp32 and bf16, k = 1..4: greedy
+   output identical to autoregressive decoding, acceptance, speedup.
+
+**Time estimate for the real run on an H200** (the budget is 8 minutes; ``--budget-s`` defaults
+to 420 s, so the last section is dropped rather than the run overrunning):
+
+- start-up: imports, CUDA context, the copy probe: ~15 s.
+- kernels: rejection sampler 3 variants (chain probs, tree probs, chain greedy logits) × 36 shapes
+  = 108 shapes × 2 paths. Autotuning: 5 row configs × (3 variants × 4 V) keys, each config compiled
+  once per variant (15 compiles, ~1 s each) and timed by Triton's autotuner (~0.15 s each: 60 ×
+  0.15 = 9 s): ~25 s. Timing: 216 ``do_bench`` calls of ~35 ms (warm-up 5 ms, 20 ms of repeats,
+  plus the first call) ≈ 8 s; input generation (multinomial over up to 64·8 × 262k) ≈ 15 s.
+  Draft input 3 M × 2 paths, 4 GEMM configs compiled (~8 s); Markov 3 B × 2 paths, 5 configs
+  (~8 s); KV gather 3 shapes (one compile). Kernels total ≈ 75 s.
+- forward: building 8.0 B bf16 parameters on the GPU ≈ 10 s. Per batch B ∈ {1, 8, 64}: a 512-token
+  prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up + 5
+  timed) forwards: 126 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s; B = 1:
+  16 GB of weights at ~4 TB/s plus ~10 ms of eager launches ≈ 15 ms) ≈ 12 s. Total ≈ 25 s.
+- planted: per concurrency c ∈ {1, 4, 16, 64}: one autoregressive run (64 new tokens, 64 steps ×
+  15–40 ms ≈ 1–2.5 s) and one speculative run (k = 4, p = 0.8: ~19 steps × 20–60 ms ≈ 1 s), after
+  one warm-up: ≈ 15 s. Prompts are 128 tokens.
+- mtp: the 17 MB checkpoint, 2 dtypes × (1 AR + 4 speculative runs) of 4 prompts × 64 tokens on
+  a 2-layer model: ~1 200 small steps × ~10 ms of eager launches ≈ 15 s.
+
+Sum ≈ 15 + 75 + 25 + 15 + 15 ≈ 145 s, a factor of ~3 below the 8 minutes; the guard covers a
+slow compile cache or a slower GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform as host
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("specdec") is None:  # a bare checkout on the GPU machine: nothing installed
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench_kernels import make_inputs  # noqa: E402  (experiments/ is this script's folder)
+from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
+                             triton_available, use_backend)
+from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
+
+PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
+CHECKPOINT = ROOT / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_s(fn: Callable[[], Any], device: str, repeats: int = 3) -> float:
+    """Median seconds of ``fn()``: ``do_bench`` (CUDA events, cache flushed) on a GPU, else a
+    ``perf_counter`` loop after one warm-up."""
+    if device == "cuda" and triton_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class Budget:
+    """Wall-clock seconds left; a section that would not fit is skipped and recorded."""
+
+    def __init__(self, seconds: float):
+        self.t0, self.seconds, self.skipped = time.perf_counter(), seconds, []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def allows(self, name: str, estimate_s: float) -> bool:
+        if self.elapsed() + estimate_s <= self.seconds:
+            return True
+        self.skipped.append({"what": name, "estimate_s": estimate_s, "elapsed_s": round(self.elapsed(), 1)})
+        print(f"skipped {name}: {self.elapsed():.0f} s spent, ~{estimate_s:.0f} s needed, budget {self.seconds:.0f} s")
+        return False
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What ran: GPU name, driver, versions; ``cpu dry run`` without a GPU."""
+    env: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "host": host.node(),
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    for pkg in ("triton", "transformers", "safetensors", "matplotlib"):
+        env[pkg] = _version(pkg)
+    if device == "cpu":
+        env["gpu"] = "cpu dry run"
+        return env
+    props = torch.cuda.get_device_properties(0)
+    env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), platform=platform(),
+               multiprocessors=props.multi_processor_count, cuda=torch.version.cuda, hip=torch.version.hip)
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = None
+    return env
+
+
+def _version(pkg: str) -> str | None:
+    if importlib.util.find_spec(pkg) is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "present"
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. kernels
+
+def copy_bandwidth(device: str, dry: bool) -> float:
+    """Bytes per second of a device-to-device ``copy_`` (read + write counted), the ceiling."""
+    n = (64 if dry else 1024) * 2**20
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    return 2 * n / median_s(lambda: dst.copy_(src), device)
+
+
+def kernel_cases(device: str, dry: bool):
+    """(kernel, shape label, inputs builder) for every kernel and shape; builders return
+    (call(), bytes moved, compare(ref, ker) -> bool)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    same_tokens = lambda a, b: torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)  # noqa: E731
+    Bs, ks, Vs = ((1, 2), (1, 3), (37,)) if dry else ((1, 8, 64), (1, 4, 8), (32_000, 128_256, 152_064, 262_144))
+    for variant, mode, tree in (("chain", "probs", False), ("tree", "probs", True), ("chain greedy", "greedy", False)):
+        for V in Vs:
+            for B in Bs:
+                for k in ks:
+                    def build(B=B, k=k, V=V, mode=mode, tree=tree):
+                        args, kw, nbytes = make_inputs(B, k, V, device, mode, tree=tree)
+                        return (lambda: rejection_sample(*args, **kw)), nbytes, same_tokens
+                    yield f"rejection {variant}", f"B={B} k={k} V={V}", build
+    dt = torch.float32 if dry else torch.bfloat16
+    D = 32 if dry else 4096
+    for M in ((1, 5) if dry else (1, 8, 64)):
+        def build_gemm(M=M):
+            a, b = (torch.randn(M, D, device=device, generator=g).to(dt) for _ in range(2))
+            wa, wb = (1 + 0.1 * torch.randn(D, device=device, generator=g)).to(dt), None
+            w = (0.02 * torch.randn(D, 2 * D, device=device, generator=g)).to(dt)
+            nbytes = (w.numel() + a.numel() + b.numel() + wa.numel() + M * D) * a.element_size()
+            tol = 1e-4 if dt == torch.float32 else 2e-2
+            return (lambda: norm_concat_linear([a, b], [wa, wb], w)), nbytes, \
+                lambda x, y: torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+        yield "draft input", f"M={M} D={D} {str(dt).removeprefix('torch.')}", build_gemm
+    gamma, rank, Vm = (3, 4, 37) if dry else (4, 64, 128_256)
+    for B in ((1, 2) if dry else (1, 8, 64)):
+        def build_markov(B=B):
+            U = torch.randn(B, gamma, Vm, device=device, generator=g)
+            W1, W2 = (0.1 * torch.randn(Vm, rank, device=device, generator=g) for _ in range(2))
+            x0 = torch.randint(0, Vm, (B,), device=device, generator=g)
+            u = torch.rand(B, gamma, device=device, generator=g)
+            nbytes = (2 * U.numel() + W1.numel() + W2.numel()) * 4  # U read, q written, the bias tables
+            def same(x, y):
+                return torch.equal(x[0], y[0]) and torch.allclose(x[1], y[1], atol=1e-6, rtol=1e-5)
+            return (lambda: markov_sample(U, x0, W1, W2, 0.8, u)), nbytes, same
+        yield "markov sampler", f"B={B} γ={gamma} V={Vm} r={rank}", build_markov
+    H, S, Dh = (2, 9, 4) if dry else (8, 1024, 128)
+    for B in ((1, 2) if dry else (1, 8, 64)):
+        def build_gather(B=B):
+            x = torch.randn(B, H, S, Dh, device=device, generator=g).to(dt)
+            order = torch.stack([torch.randperm(S, device=device, generator=g) for _ in range(B)])
+            return (lambda: gather_slots(x, order)), 2 * x.numel() * x.element_size(), torch.equal
+        yield "kv gather", f"B={B} H={H} S={S} D={Dh} {str(dt).removeprefix('torch.')}", build_gather
+
+
+def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+    kernel_path = "triton" if triton_available() and (device == "cuda" or interpreting()) else None
+    mode = ("compiled" if device == "cuda" else "cpu interpreter (TRITON_INTERPRET=1)") if kernel_path \
+        else "torch reference only (triton absent)"
+    peak = copy_bandwidth(device, dry)
+    rows = []
+    for kernel, shape, build in kernel_cases(device, dry):
+        if not budget.allows(f"kernels: {kernel} {shape}", 1.0 if dry else 2.0):
+            continue
+        call, nbytes, compare = build()
+        with use_backend("torch"):
+            ref = call()
+            t_ref = median_s(call, device)
+        row = {"kernel": kernel, "shape": shape, "bytes": nbytes, "torch_ms": t_ref * 1e3,
+               "torch_pct_copy_bw": 100 * nbytes / t_ref / peak}
+        if kernel_path:
+            with use_backend("triton"):
+                out = call()
+                t_ker = median_s(call, device, repeats=1 if dry else 3)
+            row.update(triton_ms=t_ker * 1e3, triton_pct_copy_bw=100 * nbytes / t_ker / peak,
+                       speedup=t_ref / t_ker, exact=bool(compare(ref, out)))
+        rows.append(row)
+        del call
+    return {"path": mode, "copy_bandwidth_GBps": peak / 1e9, "rows": rows, "autotune": autotune_winners()}
+
+
+def autotune_winners() -> dict[str, dict[str, str]]:
+    """Each autotuned kernel's winner per key (empty under the interpreter, which does not tune)."""
+    out = {}
+    for mod in ("rejection_triton", "norm_concat_linear_triton", "markov_triton"):
+        tuned = getattr(sys.modules.get(f"specdec.kernels.{mod}"), "_tuned", None)
+        if tuned is not None:
+            out[mod] = {str(key): str(cfg) for key, cfg in getattr(tuned, "cache", {}).items()}
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. the target at real scale
+
+def build_target(device: str, dry: bool):
+    """Llama-3.1-8B's shape with random bf16 weights, made on the GPU; a tiny Llama in the dry run."""
+    from specdec.target import Target
+
+    if dry:
+        from specdec.testing.tiny import tiny_model
+
+        return Target(tiny_model("llama", vocab_size=256, init_scale=0.3, seed=0))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                         rope_theta=500000.0, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return Target(model.to(torch.bfloat16).eval())
+
+
+def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+    """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch."""
+    context, ms, Bs, reps = (32, (1, 2, 4, 8), (1, 4), 3) if dry else (512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 64), 5)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for B in Bs:
+        if not budget.allows(f"forward: B={B}", 2.0 if dry else 12.0):
+            continue
+        session = target.new_session(B)
+        target.prefill(session, torch.randint(0, target.vocab_size, (B, context), generator=g).tolist())
+        times: dict[int, float] = {}
+        for m in ms:
+            tokens = torch.randint(0, target.vocab_size, (B, m), generator=g).to(target.device)
+            samples = []
+            for i in range(reps + 1):  # the first is a warm-up
+                sync(device)
+                t0 = time.perf_counter()
+                target.forward(session, tokens)
+                sync(device)
+                if i:
+                    samples.append(time.perf_counter() - t0)
+                target.commit(session, torch.zeros(B, m, dtype=torch.bool, device=target.device))
+                session.cache.compact()  # drop the block again: every forward sees the same context
+            times[m] = sorted(samples)[len(samples) // 2]
+        rows += [{"batch": B, "m": m, "context": context, "ms": t * 1e3, "t_over_t1": t / times[ms[0]]}
+                 for m, t in times.items()]
+        del session
+    return {"model": "tiny llama (dry run)" if dry else "Llama-3.1-8B shape, random bf16 weights",
+            "dtype": str(target.dtype).removeprefix("torch."), "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. planted acceptance, 4. real acceptance
+
+def spec_vs_ar(target, make_drafter: Callable[[dict], Any], prompts: list[list[int]], new_tokens: int,
+               k: int) -> dict[str, Any]:
+    """One autoregressive and one speculative run through the same loop (greedy verifier): the
+    speedups measured and predicted, acceptance, and whether the outputs are identical.
+    ``make_drafter(continuations)`` builds the drafter; continuations are the AR outputs."""
+    from specdec.eval.runner import predicted_speedup
+    from specdec.loop import Request, run
+    from specdec.verifiers.greedy import GreedyVerifier
+
+    def go(drafter):
+        return run(target, drafter, GreedyVerifier(), [Request(list(p), new_tokens) for p in prompts], k=k,
+                   eos_token_ids=set())
+
+    ar = go(None)
+    conts = {tuple(p): r.tokens for p, r in zip(prompts, ar.requests)}
+    spec = go(make_drafter(conts))
+
+    def per_row_step(res):
+        rm, steps = res.metrics, sum(r.metrics.steps for r in res.requests)
+        return rm, max(steps, 1)
+
+    (am, a_steps), (sm, s_steps) = per_row_step(ar), per_row_step(spec)
+    reqs = [r.metrics for r in spec.requests]
+    drafted = [sum(r.drafted_at[d] if d < len(r.drafted_at) else 0 for r in reqs) for d in range(k)]
+    accepted = [sum(r.accepted_at[d] if d < len(r.accepted_at) else 0 for r in reqs) for d in range(k)]
+    reached = [drafted[0]] + accepted[:-1]
+    mal = sum(r.accepted for r in reqs) / max(sum(r.steps for r in reqs), 1) + 1
+    ar_token = (am.draft_s + am.target_s + am.verify_s) / a_steps
+    decode = lambda res: (res.metrics.wall_s - res.metrics.prefill_s) / max(res.metrics.new_tokens - len(prompts), 1)  # noqa: E731
+    return {"concurrency": len(prompts), "k": k, "new_tokens": new_tokens,
+            "identical": [r.tokens for r in spec.requests] == [r.tokens for r in ar.requests],
+            "mean_accepted_length": mal,
+            "acceptance_given_reached": [a / n if n else None for a, n in zip(accepted, reached)],
+            "speedup": ar.metrics.wall_s / spec.metrics.wall_s, "decode_speedup": decode(ar) / decode(spec),
+            "predicted_speedup": predicted_speedup(mal, sm.draft_s / s_steps, (sm.target_s + sm.verify_s) / s_steps,
+                                                   ar_token),
+            "ar_wall_s": ar.metrics.wall_s, "spec_wall_s": spec.metrics.wall_s}
+
+
+def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int) -> dict[str, Any]:
+    from specdec.testing.planted import PlantedDrafter
+
+    prompt_len, new_tokens, concurrencies = (16, 12, (1, 4)) if dry else (128, 64, (1, 4, 16, 64))
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    drafter = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
+    spec_vs_ar(target, drafter, [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
+    for c in concurrencies:
+        if not budget.allows(f"planted: concurrency {c}", 2.0 if dry else 6.0):
+            continue
+        prompts = torch.randint(0, target.vocab_size, (c, prompt_len), generator=g).tolist()
+        rows.append(spec_vs_ar(target, drafter, prompts, new_tokens, k))
+    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows}
+
+
+def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+    """The committed tiny DeepSeek-V3 with its MTP modules: real, learned acceptance."""
+    from specdec.api import load_target
+    from specdec.drafters.mtp.drafter import MTPDrafter
+    from specdec.eval.datasets import stdlib_files
+
+    new_tokens, n_prompts = (12, 2) if dry else (64, 4)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        if not budget.allows(f"mtp: {dtype}", 10.0):
+            continue
+        target = load_target(str(CHECKPOINT), dtype=dtype)
+        target.model.to(device)
+        prompts = [target.tokenizer.encode(f.read_text())[:48] for f in stdlib_files("heldout")[:n_prompts]]
+        drafter = lambda conts: MTPDrafter.create(target, checkpoint=str(CHECKPOINT), policy="cycle")  # noqa: E731
+        for k in (1, 2, 3, 4):
+            rows.append({"dtype": str(dtype).removeprefix("torch."), **spec_vs_ar(target, drafter, prompts, new_tokens, k)})
+        del target
+    return {"checkpoint": str(CHECKPOINT.relative_to(ROOT)), "prompts": "first 48 tokens of held-out stdlib files",
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+
+def _f(x: Any, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec) if isinstance(x, float) else str(x)
+
+
+def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
+    out = [f"# GPU kit results: {env['gpu']}", "",
+           f"{env['date']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}"
+           f"{'; driver ' + str(env.get('driver')) if env.get('driver') else ''}.", ""]
+    if "kernels" in results:
+        kr = results["kernels"]
+        out += ["## Kernels against their torch references", "",
+                f"Triton path: {kr['path']}. Copy bandwidth (device-to-device `copy_`, read + write): "
+                f"{kr['copy_bandwidth_GBps']:.1f} GB/s; % columns are bytes moved / time against it.", "",
+                "| kernel | shape | torch ms | torch % bw | triton ms | triton % bw | speedup | exact |",
+                "|---|---|---|---|---|---|---|---|"]
+        out += [f"| {r['kernel']} | {r['shape']} | {_f(r['torch_ms'], '.3f')} | {_f(r['torch_pct_copy_bw'], '.1f')} "
+                f"| {_f(r.get('triton_ms'), '.3f')} | {_f(r.get('triton_pct_copy_bw'), '.1f')} "
+                f"| {_f(r.get('speedup'))} | {r.get('exact', '–')} |" for r in kr["rows"]]
+        out += ["", f"Autotune winners: `{json.dumps(kr['autotune']) if kr['autotune'] else 'none (not tuned)'}`", ""]
+    if "forward" in results:
+        fr = results["forward"]
+        out += ["## One target forward over m new tokens", "", f"{fr['model']}, {fr['dtype']}.", "",
+                "| batch | context | m | ms | t(m)/t(1) |", "|---|---|---|---|---|"]
+        out += [f"| {r['batch']} | {r['context']} | {r['m']} | {r['ms']:.2f} | {r['t_over_t1']:.2f} |" for r in fr["rows"]]
+        out.append("")
+    if "planted" in results:
+        pr = results["planted"]
+        out += [f"## Planted-acceptance drafter ({pr['label']})", "",
+                f"p = {pr['p']} per position, on the forward section's target; greedy; prompts of "
+                f"{pr['prompt_tokens']} tokens.", ""]
+        out += _spec_table(pr["rows"], with_dtype=False)
+    if "mtp" in results:
+        mr = results["mtp"]
+        out += ["## Real acceptance: tiny DeepSeek-V3 with its MTP modules", "",
+                f"`{mr['checkpoint']}`, {mr['prompts']}; greedy.", ""]
+        out += _spec_table(mr["rows"], with_dtype=True)
+    if results["skipped"]:
+        out += ["## Skipped for time", ""] + [f"- {s['what']} (at {s['elapsed_s']} s)" for s in results["skipped"]] + [""]
+    return "\n".join(out)
+
+
+def _spec_table(rows: list[dict], with_dtype: bool) -> list[str]:
+    head = "| " + ("dtype | " if with_dtype else "") + "concurrency | k | identical to AR | mean accepted length " \
+        "| acceptance per position | measured speedup | decode speedup | predicted speedup |"
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        acc = ", ".join(_f(a) for a in r["acceptance_given_reached"])
+        lines.append("| " + (f"{r['dtype']} | " if with_dtype else "") + f"{r['concurrency']} | {r['k']} | {r['identical']} "
+                     f"| {r['mean_accepted_length']:.2f} | {acc} | {r['speedup']:.2f} | {r['decode_speedup']:.2f} "
+                     f"| {r['predicted_speedup']:.2f} |")
+    return lines + [""]
+
+
+def figures(results: dict[str, Any], out: Path) -> list[str]:
+    """kernels.png, forward.png, planted.png (those whose section ran); none without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    rows = results.get("kernels", {}).get("rows", [])
+    if rows:
+        fig, ax = plt.subplots(figsize=(max(6, 0.18 * len(rows)), 4))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["torch_pct_copy_bw"] for r in rows], 0.4, label="torch reference")
+        if "triton_pct_copy_bw" in rows[0]:
+            ax.bar([i + 0.2 for i in x], [r["triton_pct_copy_bw"] for r in rows], 0.4, label="triton")
+        ax.set_xticks(list(x), [f"{r['kernel']} {r['shape']}" for r in rows], rotation=90, fontsize=5)
+        ax.set_ylabel("% of device-to-device copy bandwidth")
+        ax.legend()
+        made.append(_save(fig, out / "kernels.png"))
+    rows = results.get("forward", {}).get("rows", [])
+    if rows:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        for B in sorted({r["batch"] for r in rows}):
+            pts = [r for r in rows if r["batch"] == B]
+            ax.plot([r["m"] for r in pts], [r["t_over_t1"] for r in pts], "o-", label=f"batch {B}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("new tokens per forward, m")
+        ax.set_ylabel("t(m) / t(1)")
+        ax.legend()
+        made.append(_save(fig, out / "forward.png"))
+    rows = results.get("planted", {}).get("rows", [])
+    if rows:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        c = [r["concurrency"] for r in rows]
+        ax.plot(c, [r["speedup"] for r in rows], "o-", label="measured")
+        ax.plot(c, [r["predicted_speedup"] for r in rows], "^--", label="predicted (acceptance, costs)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("speedup over autoregressive")
+        ax.set_title(PLANTED_LABEL, fontsize=8)
+        ax.legend()
+        made.append(_save(fig, out / "planted.png"))
+    return made
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="folder for env.json, results.json, results.md, figures")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this many seconds")
+    ap.add_argument("--sections", default="kernels,forward,planted,mtp")
+    ap.add_argument("--p", type=float, default=0.8, help="planted acceptance per position")
+    ap.add_argument("--k", type=int, default=4, help="draft length of the planted run")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("no GPU visible to torch: pass --dry-run for the CPU run")
+    device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    budget, sections = Budget(args.budget_s), args.sections.split(",")
+    env = environment(device)
+    (args.out / "env.json").write_text(json.dumps(env, indent=1))
+    results: dict[str, Any] = {"dry_run": args.dry_run, "budget_s": args.budget_s, "skipped": budget.skipped,
+                               "section_s": {}}
+
+    def section(name: str, fn: Callable[[], dict]) -> None:
+        if name not in sections:
+            return
+        t0 = time.perf_counter()
+        results[name] = fn()
+        results["section_s"][name] = round(time.perf_counter() - t0, 2)
+        print(f"{name}: {results['section_s'][name]} s")
+
+    section("kernels", lambda: bench_kernels(device, args.dry_run, budget))
+    if {"forward", "planted"} & set(sections) and budget.allows("forward + planted: the target", 1.0 if args.dry_run else 30.0):
+        target = build_target(device, args.dry_run)
+        section("forward", lambda: bench_forward(target, device, args.dry_run, budget))
+        section("planted", lambda: bench_planted(target, device, args.dry_run, budget, args.p, args.k))
+        del target
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    section("mtp", lambda: bench_mtp(device, args.dry_run, budget))
+    results["wall_s"] = round(budget.elapsed(), 2)
+    results["figures"] = figures(results, args.out)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    (args.out / "results.md").write_text(markdown(results, env))
+    print(f"wrote {args.out} in {results['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
