@@ -32,10 +32,11 @@ class Drafter(ABC):
     def bind(self, target: Target) -> None:
         """Check compatibility with ``target`` (vocabulary, sizes) and keep what is shared.
 
-        Raise ``ValueError`` on a mismatch: this runs before any generation work. Asks the target
-        for :meth:`requirements` (a target captures the union of what its drafters asked for).
+        Raise ``ValueError`` on a mismatch: this runs before any generation work. Checks that the
+        target has the layers :meth:`requirements` names (the loop asks the target to capture them
+        for each generation only).
         """
-        target.request(self.requirements())
+        target.check(self.requirements())
         self.target = target
 
     @abstractmethod
