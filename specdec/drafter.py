@@ -39,6 +39,11 @@ class Drafter(ABC):
         target.check(self.requirements())
         self.target = target
 
+    def check_k(self, k: int) -> None:
+        """Raise ``ValueError`` if this drafter cannot propose ``k`` tokens (or a tree of depth ``k``):
+        the loop calls it before any generation work, so a too-large ``k`` fails with the drafter's
+        own reason instead of deep inside a step. Any ``k`` by default."""
+
     @abstractmethod
     def start(self, prefill: Committed, rows: RowSampling) -> Any:
         """Build per-generation state from the committed prompt; return it."""

@@ -62,6 +62,7 @@ def validate_requests(target: Target, drafter: Drafter | None, requests: list[Re
         as_int("k (num_speculative_tokens)", k, minimum=1)
         if getattr(drafter, "target", None) is not target:
             raise ValueError(f"drafter {drafter.name!r} is not bound to this target: call drafter.bind(target)")
+        drafter.check_k(k)
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
             raise TypeError(f"request {i} must be a specdec.Request, got {type(r).__name__}")

@@ -126,6 +126,22 @@ def test_bad_static_trees_are_refused(bad, match):
         Eagle3Config(tree="static", static_tree=bad)
 
 
+@pytest.mark.parametrize("tree, words", [("chain", "a chain of"), ("dynamic", "a dynamic tree of depth")])
+def test_k_past_the_depth_cap_is_refused_in_the_modes_own_words(target, tree, words):
+    d = Recording(Eagle3Drafter.tiny(target, tree=tree))
+    d.inner.check_k(MAX_TREE_DEPTH)  # the cap itself is allowed
+    for k in (MAX_TREE_DEPTH + 1, 1000):
+        with pytest.raises(ValueError, match=f"tree={tree!r} drafts {words} k; k={k} exceeds its cap of {MAX_TREE_DEPTH}"):
+            run(target, d, GreedyVerifier(), [Request(PROMPTS[0], 2)], k=k, eos_token_ids=set())
+    assert d.proposals == []  # refused before any work
+
+
+def test_a_static_tree_takes_any_k(target):
+    d = Recording(Eagle3Drafter.tiny(target, tree="static"))
+    run(target, d, GreedyVerifier(), [Request(PROMPTS[0], 2)], k=MAX_TREE_DEPTH + 1, eos_token_ids=set())
+    assert d.proposals[0].n == len(parse_tree(d.inner.config.static_tree).paths)
+
+
 def test_static_tree_proposal_follows_the_tree(target):
     tree = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
     d = Eagle3Drafter.tiny(target, tree="static", static_tree=tree)
