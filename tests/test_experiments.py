@@ -21,7 +21,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
-from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig
+from specdec.eval.config import (HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig,
+                                 check_keys)
 from specdec.eval.datasets import load_dataset
 from specdec.drafters import DRAFTERS
 from specdec.sampling import SamplingParams
@@ -164,6 +165,23 @@ def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
         entry.to_run_config(compose(config_name="config", overrides=["sampling.top_p=3"]))
     with pytest.raises(ValueError, match="hf_compare"):
         entry.to_run_config(compose(config_name="config", overrides=["hf_compare=[vllm]"]))
+
+
+@pytest.mark.parametrize("override, key, valid", [
+    ("+sampling.temprature=0.5", "sampling.temprature", "temperature, top_k, top_p, seed"),
+    ("+target.bogus=1", "target.bogus", "model, dtype, device_map, tiny"),
+    ("+bogus=1", "bogus", "target, drafter, verifier"),
+])
+def test_a_misspelt_key_added_with_plus_fails_by_name(hydra_conf, override, key, valid):
+    cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(ValueError, match=f"unknown config key '{key}'; the valid keys.* are: {valid}"):
+        entry.to_run_config(cfg)
+
+
+def test_method_keys_are_free_but_their_fields_are_checked():
+    check_keys({"methods": {"any name": {"drafter": "ngram", "k": [2]}}, "drafter": {"options": {"anything": 1}}})
+    with pytest.raises(ValueError, match="'methods.a.kk'; the valid keys of methods.a are: drafter, options, k"):
+        check_keys({"methods": {"a": {"kk": [2]}}})
 
 
 # --- the entry point ---------------------------------------------------------------------------
