@@ -10,7 +10,9 @@ target of any supported family. The conformance suite builds every drafter that 
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
+from dataclasses import fields
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -24,6 +26,20 @@ __all__ = ["Drafter"]
 
 class Drafter(ABC):
     name: ClassVar[str]
+    options_class: ClassVar[type | None] = None  # the dataclass whose fields :meth:`create` takes as ``**options``
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...] | None:
+        """The options :meth:`create` accepts, so a misspelt one fails by name: its named keyword
+        parameters, plus the fields of :attr:`options_class` when it takes ``**options``; None
+        (nothing checked) when it takes free ``**options`` and declares no class."""
+        params = list(inspect.signature(cls.create).parameters.values())[1:]  # after target
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            if cls.options_class is None:
+                return None
+            names += [f.name for f in fields(cls.options_class)]
+        return tuple(dict.fromkeys(names))
 
     def requirements(self) -> Requirements:
         """Features the target must capture for this drafter (none by default)."""

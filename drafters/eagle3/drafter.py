@@ -94,6 +94,7 @@ class _Tree:
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    options_class = Eagle3Config
 
     def __init__(self, model: Eagle3Model, config: Eagle3Config = Eagle3Config()):
         self.model = model.eval()
@@ -102,9 +103,8 @@ class Eagle3Drafter(Drafter):
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
-    def create(cls, target: Target, **options: Any) -> Eagle3Drafter:
+    def create(cls, target: Target, model: Eagle3Model | None = None, **options: Any) -> Eagle3Drafter:
         """``model`` (an :class:`Eagle3Model`) or ``checkpoint`` (a folder), plus :class:`Eagle3Config` fields."""
-        model = options.pop("model", None)
         config = Eagle3Config(**options)
         if model is None:
             if not config.checkpoint:
