@@ -42,25 +42,26 @@ class DraftModelState:
 
 class DraftModelDrafter(Drafter):
     name = "draft_model"
+    options_class = DraftModelConfig
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, greedy_draft: bool = False):
         self.draft = Target(model, tokenizer)
         self.greedy_draft = greedy_draft
 
     @classmethod
-    def create(cls, target: Target, **options: Any) -> DraftModelDrafter:
+    def create(cls, target: Target, model: PreTrainedModel | str | None = None, tokenizer=None,
+               **options: Any) -> DraftModelDrafter:
         """``model``: a loaded ``PreTrainedModel`` (with ``tokenizer``) or a name/folder to load."""
-        model, tok = options.pop("model", None), options.pop("tokenizer", None)
         if isinstance(model, PreTrainedModel):
-            d = cls(model, tok, **options)
+            d = cls(model, tokenizer, **options)
         else:
             from specdec.models import load_model
 
             config = DraftModelConfig(model=model or "", **options)
             if not config.model:
                 raise ValueError("draft_model needs `model`: a loaded model, a name or a folder")
-            model, tok = load_model(config.model, dtype=getattr(torch, config.dtype))
-            d = cls(model, tok, config.greedy_draft)
+            model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
+            d = cls(model, tokenizer, config.greedy_draft)
         d.bind(target)
         return d
 

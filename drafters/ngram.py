@@ -46,6 +46,8 @@ def lookup(context: list[int], k: int, max_ngram: int, min_ngram: int) -> list[i
 class NgramDrafter(Drafter):
     name = "ngram"
 
+    options_class = NgramConfig
+
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
 

@@ -9,7 +9,7 @@
 Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
 ``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose
 onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
-``OmegaConf.to_object``: types are checked, unknown keys fail, and the library sees only its own
+``OmegaConf.to_object``: types are checked, unknown keys fail by name (even added with ``+``), and the library sees only its own
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
 ``config.yaml`` (resolved), ``config.json`` (the same plus git SHA and versions), ``requests.jsonl``,
 ``summary.json`` and ``summary.md``. Plots and a report of a sweep: ``experiments/report.py``.
@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from specdec.eval.runner import run_experiment
-from specdec.eval.config import RunConfig
+from specdec.eval.config import RunConfig, check_keys
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
+    check_keys(OmegaConf.to_container(cfg))  # a misspelt key fails by name, before the conversion
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, RunConfig)
     return obj

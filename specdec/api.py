@@ -35,10 +35,16 @@ def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
     """Build the drafter registered as ``name`` (:mod:`specdec.registry`) bound to ``target``.
 
-    A ``checkpoint`` option may be a folder, the name of a committed checkpoint or a hub id
+    An option the drafter does not take raises ``ValueError`` naming it and the drafter's options
+    (:meth:`Drafter.option_names`). A ``checkpoint`` option may be a folder, the name of a committed checkpoint or a hub id
     (:func:`specdec.models.resolve_checkpoint`).
     """
     cls = drafter_class(name)
+    known = cls.option_names()
+    unknown = sorted(set(options) - set(known)) if known is not None else []
+    if unknown:
+        raise ValueError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))};"
+                         f" its options are: {', '.join(known)}")
     if options.get("checkpoint"):
         from specdec.models import resolve_checkpoint
 

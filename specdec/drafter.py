@@ -10,7 +10,9 @@ target of any supported family. The conformance suite builds every drafter that 
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
+from dataclasses import fields
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -24,6 +26,20 @@ __all__ = ["Drafter"]
 
 class Drafter(ABC):
     name: ClassVar[str]
+    options_class: ClassVar[type | None] = None  # the dataclass whose fields :meth:`create` takes as ``**options``
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...] | None:
+        """The options :meth:`create` accepts, so a misspelt one fails by name: its named keyword
+        parameters, plus the fields of :attr:`options_class` when it takes ``**options``; None
+        (nothing checked) when it takes free ``**options`` and declares no class."""
+        params = list(inspect.signature(cls.create).parameters.values())[1:]  # after target
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            if cls.options_class is None:
+                return None
+            names += [f.name for f in fields(cls.options_class)]
+        return tuple(dict.fromkeys(names))
 
     def requirements(self) -> Requirements:
         """Features the target must capture for this drafter (none by default)."""
@@ -32,11 +48,17 @@ class Drafter(ABC):
     def bind(self, target: Target) -> None:
         """Check compatibility with ``target`` (vocabulary, sizes) and keep what is shared.
 
-        Raise ``ValueError`` on a mismatch: this runs before any generation work. Asks the target
-        for :meth:`requirements` (a target captures the union of what its drafters asked for).
+        Raise ``ValueError`` on a mismatch: this runs before any generation work. Checks that the
+        target has the layers :meth:`requirements` names (the loop asks the target to capture them
+        for each generation only).
         """
-        target.request(self.requirements())
+        target.check(self.requirements())
         self.target = target
+
+    def check_k(self, k: int) -> None:
+        """Raise ``ValueError`` if this drafter cannot propose ``k`` tokens (or a tree of depth ``k``):
+        the loop calls it before any generation work, so a too-large ``k`` fails with the drafter's
+        own reason instead of deep inside a step. Any ``k`` by default."""
 
     @abstractmethod
     def start(self, prefill: Committed, rows: RowSampling) -> Any:

@@ -24,7 +24,7 @@ from specdec.drafter import Drafter
 from specdec.metrics import RequestMetrics, RunMetrics
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
-from specdec.types import Committed, DraftProposal, node_depths
+from specdec.types import Committed, DraftProposal, Requirements, node_depths
 from specdec.validate import as_int, as_token_ids
 from specdec.verifier import Verifier
 
@@ -62,6 +62,7 @@ def validate_requests(target: Target, drafter: Drafter | None, requests: list[Re
         as_int("k (num_speculative_tokens)", k, minimum=1)
         if getattr(drafter, "target", None) is not target:
             raise ValueError(f"drafter {drafter.name!r} is not bound to this target: call drafter.bind(target)")
+        drafter.check_k(k)
     for i, r in enumerate(requests):
         if not isinstance(r, Request):
             raise TypeError(f"request {i} must be a specdec.Request, got {type(r).__name__}")
@@ -99,6 +100,13 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
                       LossyVerifierWarning, stacklevel=2)
     rows = RowSampling([r.sampling for r in requests], target.device)
     verifier.check(rows)
+    with target.capturing(drafter.requirements() if drafter is not None else Requirements()):
+        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids)
+
+
+def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int,
+              rows: RowSampling, eos_token_ids: set[int] | None) -> RunResult:
+    """The loop itself, inside the target's capture scope for this run."""
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
     B, dev = len(requests), target.device
     clock, rm = _Clock(dev), RunMetrics()

@@ -2,7 +2,8 @@
 
 It runs one forward over a block of new tokens (a chain or a tree, with a tree mask and
 per-node positions), captures the residual-stream hidden states a drafter asked for with forward
-hooks (only the layers asked for, never the full ``output_hidden_states`` tuple), and keeps the
+hooks (only the layers asked for, never the full ``output_hidden_states`` tuple, and only for the
+generation that asked: :meth:`Target.capturing`), and keeps the
 KV cache ragged across rows in a :class:`~specdec.kv.KVStore` (handed to transformers through
 :mod:`specdec.target_cache`, the only code that knows its cache classes).
 
@@ -14,6 +15,8 @@ last layer before the final norm. DFlash/DSpark name layers by their *output*; c
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -193,19 +196,38 @@ class Target:
         with autograd: for recipes that train the target itself (DeepSeek-V3 with its MTP modules)."""
         return self.decoder(input_ids=tokens.to(self.device), use_cache=False).last_hidden_state
 
-    def request(self, req: Requirements) -> None:
-        """Capture, from now on, the union of what was asked so far."""
+    def check(self, req: Requirements) -> None:
+        """Raise ``ValueError`` if ``req`` names a layer this target does not have (a drafter's bind
+        calls it, so a mismatch fails before any generation work)."""
         for i in req.layer_inputs:
             if not 0 <= i <= self.num_layers:
                 raise ValueError(f"layer id {i} outside [0, {self.num_layers}] for this {self.num_layers}-layer target")
-        self.requirements = self.requirements.union(req)
+
+    @contextmanager
+    def capturing(self, req: Requirements) -> Iterator[None]:
+        """Capture exactly what ``req`` asks for inside the block (one generation), then remove the
+        hooks and drop every captured tensor, even when the block raises: a target serves many
+        drafters, and one run's needs must neither cost a later run nor keep its tensors alive.
+        Nested blocks capture the inner request and give the outer one back on exit."""
+        self.check(req)
+        outer = self.requirements
+        self._install(req)
+        try:
+            yield
+        finally:
+            self._install(outer)
+
+    def _install(self, req: Requirements) -> None:
+        """Hook exactly the modules ``req`` needs (and no others); forget anything captured."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for i in self.requirements.layer_inputs:
+        self._captured = {}
+        self.requirements = req
+        for i in req.layer_inputs:
             module = self.layers[i] if i < self.num_layers else self.final_norm
             self._hooks.append(module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
-        if self.requirements.final_hidden:
+        if req.final_hidden:
             self._hooks.append(self.final_norm.register_forward_hook(self._post_hook("final")))
 
     def _pre_hook(self, key: int):

@@ -28,6 +28,18 @@ def test_unknown_names(target):
         specdec.make_verifier("maybe")
 
 
+def test_a_misspelt_drafter_option_is_named_with_the_drafters_options(target):
+    with pytest.raises(ValueError, match=r"drafter 'ngram' has no option 'chekpoint'; its options are: max_ngram, min_ngram$"):
+        specdec.make_drafter("ngram", target, chekpoint="x")
+    with pytest.raises(ValueError, match=r"'eagle3' has no option 'tre'; its options are: model, checkpoint, tree, "):
+        specdec.make_drafter("eagle3", target, tre="chain")
+    with pytest.raises(ValueError, match=r"'dspark' has no option 'schedular'; .*checkpoint, greedy_draft, scheduler"):
+        specdec.make_drafter("dspark", target, schedular=True)
+    with pytest.raises(ValueError, match=r"'gemma_mtp' has no option 'greedy'; its options are: model, checkpoint, greedy_draft$"):
+        specdec.generate(target, [[1, 2]], drafter="gemma_mtp", greedy=True)
+    assert specdec.make_drafter("ngram", target, max_ngram=2).config.max_ngram == 2
+
+
 def test_vocabulary_and_tokenizer_mismatch(target):
     with pytest.raises(ValueError, match="vocabulary"):
         specdec.make_drafter("draft_model", target, model=tiny_model("llama", vocab_size=40))

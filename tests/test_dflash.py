@@ -45,7 +45,8 @@ def test_layer_output_ids_read_the_next_layers_input(target):
     d = DFlashDrafter.tiny(target)
     assert d.requirements().layer_inputs == tuple(i + 1 for i in d.cfg.target_layer_ids)
     session = target.new_session(1)
-    out, _, _ = target.prefill(session, [[1, 2, 3, 4]])
+    with target.capturing(d.requirements()):
+        out, _, _ = target.prefill(session, [[1, 2, 3, 4]])
     with torch.no_grad():
         ref = target.model(torch.tensor([[1, 2, 3, 4]]), output_hidden_states=True).hidden_states
     for i in d.cfg.target_layer_ids:  # "output of layer i" is HF hidden_states[i + 1]

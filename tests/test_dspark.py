@@ -97,7 +97,8 @@ def _start(target, drafter, prompt, rows):
     from specdec.types import Committed
 
     session = target.new_session(1)
-    out, padded, lengths = target.prefill(session, [prompt])
+    with target.capturing(drafter.requirements()):
+        out, padded, lengths = target.prefill(session, [prompt])
     c = Committed(tokens=padded, num_tokens=lengths, positions=torch.arange(len(prompt))[None],
                   next_tokens=out.logits[:, -1].argmax(-1), active=torch.ones(1, dtype=torch.bool), hidden=out.hidden)
     return drafter.start(c, rows)

@@ -54,7 +54,6 @@ def test_drafter_reads_the_layer_inputs_it_declares(deep_target):
     ids = default_layer_ids(8)
     d = Eagle3Drafter.tiny(deep_target, layer_ids=ids)
     assert d.requirements().layer_inputs == ids
-    assert set(ids) <= set(deep_target.requirements.layer_inputs)
     assert d.model.fc.in_features == 3 * deep_target.hidden_size
     q_proj = d.model.layers[0].self_attn.q_proj
     assert q_proj.in_features == 2 * d.model.config.hidden_size  # cat[emb, hidden]
@@ -62,7 +61,8 @@ def test_drafter_reads_the_layer_inputs_it_declares(deep_target):
     ids_t = torch.tensor([PROMPTS[1]])
     out = deep_target.model(ids_t, output_hidden_states=True)
     session = deep_target.new_session(1)
-    mine = deep_target.forward(session, ids_t)
+    with deep_target.capturing(d.requirements()):
+        mine = deep_target.forward(session, ids_t)
     for i in ids:
         torch.testing.assert_close(mine.hidden[i], out.hidden_states[i])
 
@@ -96,7 +96,8 @@ def _prefill(target, drafter, prompt, anchor=None):
     from specdec.types import Committed
 
     session = target.new_session(1)
-    out, padded, lengths = target.prefill(session, [prompt])
+    with target.capturing(drafter.requirements()):
+        out, padded, lengths = target.prefill(session, [prompt])
     nxt = out.logits[:, -1].argmax(-1) if anchor is None else torch.tensor([anchor])
     c = Committed(tokens=padded, num_tokens=lengths, positions=torch.arange(padded.shape[1]).expand_as(padded),
                   next_tokens=nxt, active=torch.ones(1, dtype=torch.bool), hidden=out.hidden)
@@ -123,6 +124,22 @@ def test_bad_static_trees_are_refused(bad, match):
         parse_tree(bad)
     with pytest.raises(ValueError, match=match):
         Eagle3Config(tree="static", static_tree=bad)
+
+
+@pytest.mark.parametrize("tree, words", [("chain", "a chain of"), ("dynamic", "a dynamic tree of depth")])
+def test_k_past_the_depth_cap_is_refused_in_the_modes_own_words(target, tree, words):
+    d = Recording(Eagle3Drafter.tiny(target, tree=tree))
+    d.inner.check_k(MAX_TREE_DEPTH)  # the cap itself is allowed
+    for k in (MAX_TREE_DEPTH + 1, 1000):
+        with pytest.raises(ValueError, match=f"tree={tree!r} drafts {words} k; k={k} exceeds its cap of {MAX_TREE_DEPTH}"):
+            run(target, d, GreedyVerifier(), [Request(PROMPTS[0], 2)], k=k, eos_token_ids=set())
+    assert d.proposals == []  # refused before any work
+
+
+def test_a_static_tree_takes_any_k(target):
+    d = Recording(Eagle3Drafter.tiny(target, tree="static"))
+    run(target, d, GreedyVerifier(), [Request(PROMPTS[0], 2)], k=MAX_TREE_DEPTH + 1, eos_token_ids=set())
+    assert d.proposals[0].n == len(parse_tree(d.inner.config.static_tree).paths)
 
 
 def test_static_tree_proposal_follows_the_tree(target):

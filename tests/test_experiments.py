@@ -21,9 +21,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
-from specdec.eval.config import HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig
+from specdec.eval.config import (HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig,
+                                 VerifierConfig, check_keys)
 from specdec.eval.datasets import load_dataset
 from specdec.drafters import DRAFTERS
+from specdec.loop import LossyVerifierWarning
 from specdec.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +168,23 @@ def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
         entry.to_run_config(compose(config_name="config", overrides=["hf_compare=[vllm]"]))
 
 
+@pytest.mark.parametrize("override, key, valid", [
+    ("+sampling.temprature=0.5", "sampling.temprature", "temperature, top_k, top_p, seed"),
+    ("+target.bogus=1", "target.bogus", "model, dtype, device_map, tiny"),
+    ("+bogus=1", "bogus", "target, drafter, verifier"),
+])
+def test_a_misspelt_key_added_with_plus_fails_by_name(hydra_conf, override, key, valid):
+    cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(ValueError, match=f"unknown config key '{key}'; the valid keys.* are: {valid}"):
+        entry.to_run_config(cfg)
+
+
+def test_method_keys_are_free_but_their_fields_are_checked():
+    check_keys({"methods": {"any name": {"drafter": "ngram", "k": [2]}}, "drafter": {"options": {"anything": 1}}})
+    with pytest.raises(ValueError, match="'methods.a.kk'; the valid keys of methods.a are: drafter, options, k"):
+        check_keys({"methods": {"a": {"kk": [2]}}})
+
+
 # --- the entry point ---------------------------------------------------------------------------
 
 def _run_entry(*args: str) -> subprocess.CompletedProcess:
@@ -239,6 +258,34 @@ def _tiny_cfg(**kw) -> RunConfig:
                 dataset=DatasetConfig(name="random", num_prompts=4, input_len=12, output_len=10, ignore_eos=True),
                 progress=False, warmup=False)
     return RunConfig(**{**base, **kw})
+
+
+def test_a_lossy_verifier_is_marked_in_summaries_tables_and_legends(tmp_path, target, monkeypatch):
+    sampled = SamplingParams(temperature=0.8)
+    with pytest.warns(LossyVerifierWarning):
+        run_experiment(_tiny_cfg(verifier=VerifierConfig("typical"), sampling=sampled), out_dir=tmp_path / "0_typical",
+                       target=target)
+    run_experiment(_tiny_cfg(verifier=VerifierConfig("rejection"), sampling=sampled), out_dir=tmp_path / "1_rejection",
+                   target=target)
+    lossy, exact = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("0_typical", "1_rejection"))
+    assert [s["lossless"] for s in lossy.values()] == [False, False]  # ar and spec ran through `typical`
+    assert [s["lossless"] for s in exact.values()] == [True, True]
+    assert "| spec (lossy) | ngram |" in (tmp_path / "0_typical" / "summary.md").read_text()
+    assert "(lossy)" not in (tmp_path / "1_rejection" / "summary.md").read_text()
+    legends: list[str] = []
+    finish = report._finish
+
+    def keep_legend(fig, ax, path, legend_size=7):
+        legends.extend(t for t in ax.get_legend_handles_labels()[1])
+        finish(fig, ax, path, legend_size)
+
+    monkeypatch.setattr(report, "_finish", keep_legend)
+    overview = report.write_report(tmp_path).read_text().split("\n## Run `")[0]
+    assert overview.count(" | spec (lossy) |") == 1 and overview.count(" | ar (lossy) |") == 1
+    assert overview.count(" | spec |") == 1 and overview.count(" | ar |") == 1
+    for prefix in ("autoregressive (lossy)", "ngram (lossy) k=4", "ngram (lossy), concurrency 1"):
+        assert any(t.startswith(prefix) for t in legends), (prefix, legends)
+    assert any(t.startswith("ngram k=4") for t in legends)
 
 
 def test_greedy_speculation_reproduces_autoregressive_and_transformers(target):

@@ -78,10 +78,10 @@ def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target)
 def test_captured_features_are_layer_inputs(family_target):
     t, m = family_target, family_target.model
     L = t.num_layers
-    t.request(Requirements(layer_inputs=(0, 1, L), final_hidden=True))
     s = t.new_session(1)
     ids = [3, 1, 4, 1, 5]
-    out, _, _ = t.prefill(s, [ids])
+    with t.capturing(Requirements(layer_inputs=(0, 1, L), final_hidden=True)):
+        out, _, _ = t.prefill(s, [ids])
     with torch.inference_mode():
         ref = m(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
     torch.testing.assert_close(out.hidden[0], ref[0], atol=1e-5, rtol=1e-5)
@@ -94,7 +94,7 @@ def test_captured_features_are_layer_inputs(family_target):
 def test_layer_ids_are_checked_and_converted():
     t = Target(tiny_model("llama", vocab_size=32))
     with pytest.raises(ValueError, match="layer id 7"):
-        t.request(Requirements(layer_inputs=(7,)))
+        t.check(Requirements(layer_inputs=(7,)))
     assert layer_output_ids([1, 9, 17]) == (2, 10, 18)
 
 

@@ -186,6 +186,11 @@ class BlockDrafter(Drafter):
         return d
 
     @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """``model`` or ``checkpoint`` (read by :meth:`_load`), then the constructor's options."""
+        return ("model", "checkpoint", *cls.options)
+
+    @classmethod
     def _load(cls, options: dict[str, Any]) -> BlockDraftModel:
         from specdec.drafters.dflash.checkpoint import checkpoint_family, load_block_draft
 

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from specdec.drafter import Drafter
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, attend, draft_layer_config
-from specdec.drafters.eagle3.tree import DEFAULT_STATIC_TREE, StaticTree, chain_tree, parse_tree, rerank
+from specdec.drafters.eagle3.tree import (DEFAULT_STATIC_TREE, MAX_TREE_DEPTH, StaticTree, chain_tree, parse_tree,
+                                          rerank)
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target
@@ -93,6 +94,7 @@ class _Tree:
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
+    options_class = Eagle3Config
 
     def __init__(self, model: Eagle3Model, config: Eagle3Config = Eagle3Config()):
         self.model = model.eval()
@@ -101,9 +103,8 @@ class Eagle3Drafter(Drafter):
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
-    def create(cls, target: Target, **options: Any) -> Eagle3Drafter:
+    def create(cls, target: Target, model: Eagle3Model | None = None, **options: Any) -> Eagle3Drafter:
         """``model`` (an :class:`Eagle3Model`) or ``checkpoint`` (a folder), plus :class:`Eagle3Config` fields."""
-        model = options.pop("model", None)
         config = Eagle3Config(**options)
         if model is None:
             if not config.checkpoint:
@@ -163,6 +164,15 @@ class Eagle3Drafter(Drafter):
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------
+    def check_k(self, k: int) -> None:
+        """Chains and dynamic trees are ``k`` deep, capped at :data:`MAX_TREE_DEPTH`; a static tree
+        is cut at ``k`` (its own depth is checked when it is parsed), so any ``k`` suits it."""
+        mode = self.config.tree
+        if mode != "static" and k > MAX_TREE_DEPTH:
+            what = "a chain of" if mode == "chain" else "a dynamic tree of depth"
+            raise ValueError(f"eagle3 tree={mode!r} drafts {what} k; k={k} exceeds its cap of {MAX_TREE_DEPTH}"
+                             f" (one draft forward per depth, heads trained over a few steps): use k <= {MAX_TREE_DEPTH}")
+
     def start(self, prefill: Committed, rows: RowSampling) -> Eagle3State:
         B = prefill.tokens.shape[0]
         cache = KVStore(B, self.target.device, self.model.fc.weight.dtype)

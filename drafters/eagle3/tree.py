@@ -23,7 +23,11 @@ from torch import Tensor
 
 __all__ = ["StaticTree", "parse_tree", "chain_tree", "rerank", "MAX_TREE_DEPTH", "DEFAULT_STATIC_TREE"]
 
-MAX_TREE_DEPTH = 16  # deeper static trees are refused: every depth is one draft forward per step
+# The deepest draft in every mode (chain, static, dynamic). Each depth is one sequential draft forward
+# per step, and EAGLE-3 heads are trained over a few unrolled test-time-training steps (3 in
+# speculators, 7 in SafeAILab's recipe): acceptance falls geometrically past that, so beyond 16 a
+# deeper draft only adds cost.
+MAX_TREE_DEPTH = 16
 # 8 nodes: three guesses for the next token, two for the one after the best guess, one chain to depth 4
 DEFAULT_STATIC_TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
 

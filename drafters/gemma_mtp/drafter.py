@@ -158,15 +158,14 @@ class GemmaMTPDrafter(Drafter):
         state.hidden, state.anchor = state.hidden[rows], state.anchor[rows]  # the cache is the target's
 
     @classmethod
-    def create(cls, target: Target, **options: Any) -> GemmaMTPDrafter:
+    def create(cls, target: Target, model: PreTrainedModel | None = None, checkpoint: str = "",
+               greedy_draft: bool = False) -> GemmaMTPDrafter:
         """``checkpoint``: a gemma4_assistant folder (safetensors), or ``model``: a loaded one."""
-        model = options.pop("model", None)
         if model is None:
-            checkpoint = options.pop("checkpoint", "")
             if not checkpoint:
                 raise ValueError("gemma_mtp needs `checkpoint` (a gemma4_assistant folder) or `model`")
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=target.dtype, use_safetensors=True)
-        d = cls(model, **options)
+        d = cls(model, greedy_draft)
         d.bind(target)
         return d
 

@@ -154,6 +154,7 @@ class MTPState:
 
 class MTPDrafter(Drafter):
     name = "mtp"
+    options_class = MTPConfig
 
     def __init__(self, modules: nn.ModuleList, config: MTPConfig = MTPConfig()):
         if len(modules) < 1:
@@ -164,10 +165,9 @@ class MTPDrafter(Drafter):
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
-    def create(cls, target: Target, **options: Any) -> MTPDrafter:
+    def create(cls, target: Target, modules: nn.ModuleList | None = None, **options: Any) -> MTPDrafter:
         """``modules`` (an ``nn.ModuleList`` of :class:`MTPModule`) or ``checkpoint`` (a folder;
         default: the folder the target was loaded from), plus :class:`MTPConfig` fields."""
-        modules = options.pop("modules", None)
         config = MTPConfig(**options)
         if modules is None:
             from specdec.drafters.mtp.checkpoint import load_mtp_modules

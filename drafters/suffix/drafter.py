@@ -86,6 +86,8 @@ class _Row:
 class SuffixDrafter(Drafter):
     name = "suffix"
 
+    options_class = SuffixConfig
+
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
         self.cache: OutputCache | None = None

@@ -9,13 +9,14 @@ module never imports hydra. Sampling is the library's own :class:`~specdec.sampl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, get_args, get_origin, get_type_hints
 
 from specdec.sampling import SamplingParams
 
 __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RunConfig",
-           "DATASETS", "HF_METHODS"]
+           "DATASETS", "HF_METHODS", "check_keys"]
 
 DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
@@ -145,3 +146,26 @@ class RunConfig:
     @property
     def request_seed_base(self) -> int:
         return self.sampling.seed if self.sampling.seed is not None else self.seed
+
+
+def check_keys(data: Mapping[str, Any], schema: type = RunConfig, prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first key of ``data`` (a config as plain mappings) that is no
+    field of ``schema``, with the valid ones. Run before converting: a key added with Hydra's ``+``
+    (``+sampling.temprature=0.5``) would otherwise become a stray attribute, or fail inside the
+    conversion on a frozen dataclass without saying which key is wrong. Free-form option dicts
+    (``drafter.options``, ``target.tiny``) are not checked here; their consumers validate them."""
+    hints, names = get_type_hints(schema), [f.name for f in fields(schema)]
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            where = f" of {prefix[:-1]}" if prefix else ""
+            raise ValueError(f"unknown config key {path!r}; the valid keys{where} are: {', '.join(names)}")
+        tp = hints[key]
+        if not isinstance(value, Mapping):
+            continue
+        if is_dataclass(tp):
+            check_keys(value, tp, f"{path}.")
+        elif get_origin(tp) is dict and is_dataclass(get_args(tp)[1]):
+            for name, item in value.items():
+                if isinstance(item, Mapping):
+                    check_keys(item, get_args(tp)[1], f"{path}.{name}.")

@@ -52,7 +52,7 @@ from specdec.target import Target
 from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
-           "predicted_speedup", "summary_markdown", "git_sha"]
+           "predicted_speedup", "summary_markdown", "lossy_mark", "git_sha"]
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -223,18 +223,19 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
         spec[name] = (dcfg, built[id(dcfg)], k)
 
     methods: dict[str, BatchFn] = {}
-    info: dict[str, tuple[str | None, int]] = {}  # method -> (drafter name, k)
+    info: dict[str, tuple[str | None, int, bool]] = {}  # method -> (drafter name, k, lossless)
     baselines: dict[str, str] = {}
     if cfg.baseline or not spec:
-        methods["ar"], info["ar"] = _loop_method(target, None, verifier, cfg.num_speculative_tokens, eos), (None, 0)
+        methods["ar"] = _loop_method(target, None, verifier, cfg.num_speculative_tokens, eos)
+        info["ar"] = (None, 0, verifier.lossless)
     for name, (dcfg, drafter, k) in spec.items():
-        methods[name], info[name] = _loop_method(target, drafter, verifier, k, eos), (dcfg.name, k)
+        methods[name], info[name] = _loop_method(target, drafter, verifier, k, eos), (dcfg.name, k, verifier.lossless)
         baselines[name] = "ar"
     peer_cfg, peer, peer_k = next(iter(spec.values()), (DrafterConfig(), None, cfg.num_speculative_tokens))
     for kind in cfg.hf_compare:
         name = f"hf_{kind}"
         methods[name] = _hf_method(target, peer_kwargs(kind, target, peer, peer_k), eos)
-        info[name] = (None, 0) if kind == "generate" else (peer_cfg.name, peer_k)
+        info[name] = (None, 0, True) if kind == "generate" else (peer_cfg.name, peer_k, True)  # transformers: exact
         baselines[name] = "hf_generate" if kind != "generate" and "generate" in cfg.hf_compare else "ar"
 
     base_seed = cfg.request_seed_base
@@ -308,15 +309,17 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], baselines: dict[str, str],
-                      info: dict[str, tuple[str | None, int]], concurrency: int) -> dict[str, dict]:
-    """Per method (``info``: its drafter name and k) the measurements of ``summary.json``."""
+                      info: dict[str, tuple[str | None, int, bool]], concurrency: int) -> dict[str, dict]:
+    """Per method (``info``: its drafter name, k and whether its verifier keeps the target's
+    distribution) the measurements of ``summary.json``."""
     out: dict[str, dict] = {}
     for name in runs:
         recs = [r for r in records if r["method"] == name]
         lat, ttft = [r["latency_s"] for r in recs], [r["ttft_s"] for r in recs]
         tpot = [r["tpot_s"] for r in recs if r["new_tokens"] > 1]
         new_tokens = sum(r["new_tokens"] for r in recs)
-        s: dict[str, Any] = {"method": name, "drafter": info[name][0], "k": info[name][1], "requests": len(recs),
+        s: dict[str, Any] = {"method": name, "drafter": info[name][0], "k": info[name][1], "lossless": info[name][2],
+                             "requests": len(recs),
                              "new_tokens": new_tokens, "concurrency": concurrency if runs[name] else 1,
                              "ttft_mean_s": statistics.fmean(ttft),
                              "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
@@ -425,6 +428,12 @@ def _describe(cfg: RunConfig) -> str:
             f" dataset `{d.name}` ({d.num_prompts} prompts), temperature {cfg.sampling.temperature}, seed {cfg.seed}")
 
 
+def lossy_mark(s: dict) -> str:
+    """" (lossy)" after a method whose verifier changes the target's distribution, wherever results
+    are read (tables, plot legends); summaries written before the field existed count as lossless."""
+    return "" if s.get("lossless", True) else " (lossy)"
+
+
 def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> str:
     """The summary as markdown tables: throughput, latency and speedups; drafting (acceptance per
     position, drafts per step, draft cost); the loop's time split; outputs that differ."""
@@ -442,7 +451,7 @@ def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> 
     for name, s in summary.items():
         ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
         lines.append(
-            f"| {name} | {s['drafter'] or '-'} | {s['k'] or '-'} | {s['requests']} | {s['new_tokens']}"
+            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {s['k'] or '-'} | {s['requests']} | {s['new_tokens']}"
             f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
             f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
             f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"

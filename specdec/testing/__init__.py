@@ -145,6 +145,9 @@ class Recording(Drafter):
     def requirements(self):
         return self.inner.requirements()
 
+    def check_k(self, k: int) -> None:
+        self.inner.check_k(k)
+
     def start(self, prefill: Committed, rows: RowSampling) -> Any:
         self.anchors = prefill.next_tokens.clone()
         return self.inner.start(prefill, rows)
