@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdec.api import make_drafter
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.registry import drafter_class, verifier_class
@@ -37,7 +38,8 @@ def custom_generate(drafter: str | None, k: int = 4, verifier: str = "rejection"
     """A decoding loop for ``model.generate(custom_generate=...)`` with the drafter registered as
     ``drafter`` (``None``: plain decoding through the same loop) built with ``drafter_options``.
 
-    The drafter is built once per model, at the first call, and reused.
+    The drafter is built once per model, at the first call, through :func:`specdec.make_drafter`
+    (checkpoints by name, options checked), and reused.
     """
     k = as_int("k", k, minimum=1)
     verifier_cls = verifier_class(verifier)
@@ -51,7 +53,7 @@ def custom_generate(drafter: str | None, k: int = 4, verifier: str = "rejection"
         _check_supported(cfg, logits_processor, streamer)
         if id(model) not in bound:
             target = Target(model)
-            bound[id(model)] = (target, drafter_class(drafter).create(target, **drafter_options) if drafter else None)
+            bound[id(model)] = (target, make_drafter(drafter, target, **drafter_options) if drafter else None)
         target, draft = bound[id(model)]
         mask = model_kwargs.get("attention_mask")
         keep = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
