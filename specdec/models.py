@@ -128,6 +128,10 @@ def resolve_checkpoint(name: str | Path) -> Path:
     committed = committed_checkpoints()
     if str(name) in committed:
         return committed[str(name)]
+    recipe = uncommitted_checkpoints().get(str(name))
+    if recipe is not None:
+        raise FileNotFoundError(f"checkpoint {str(name)!r} is not committed (the repository stays under its size "
+                                f"budget); make it, from the repository root, with: {recipe}")
     if _looks_like_hub_id(str(name)):
         if hub_reachable():
             from huggingface_hub import snapshot_download
@@ -138,12 +142,31 @@ def resolve_checkpoint(name: str | Path) -> Path:
     raise FileNotFoundError(f"checkpoint {str(name)!r}: no such folder; committed checkpoints: {sorted(committed)}")
 
 
-def committed_checkpoints() -> dict[str, Path]:
-    """Name → folder of every checkpoint committed with specdec (experiments/checkpoints/)."""
+def _checkpoint_root() -> Path | None:
     from importlib.resources import files
 
     try:
-        root = Path(str(files("specdec.checkpoints")))
+        return Path(str(files("specdec.checkpoints")))
     except ModuleNotFoundError:
+        return None
+
+
+def uncommitted_checkpoints() -> dict[str, str]:
+    """Name → reproducing command of every checkpoint recorded but not committed: its folder keeps
+    only ``training.json`` (how it was made and what it measured), not its weights."""
+    root = _checkpoint_root()
+    if root is None:
+        return {}
+    out = {}
+    for p in sorted(root.iterdir()):
+        if (p / "training.json").is_file() and not (p / "config.json").is_file():
+            out[p.name] = json.loads((p / "training.json").read_text())["command"]
+    return out
+
+
+def committed_checkpoints() -> dict[str, Path]:
+    """Name → folder of every checkpoint committed with specdec (experiments/checkpoints/)."""
+    root = _checkpoint_root()
+    if root is None:
         return {}
     return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").is_file()}

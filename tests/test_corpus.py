@@ -49,3 +49,21 @@ def test_shards_hold_the_targets_answers_and_resume(smollm2, tmp_path):
     after = load_file(str(folder / "shard-00001.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # seeded
     assert corpus_stats(folder)["sequences"] == 5
+
+
+def test_the_committed_corpus_feeds_the_trainer_with_prompts_cut_and_the_same_held_out_items():
+    from pathlib import Path
+
+    from specdec.training.config import DataConfig
+    from specdec.training.data import load_data
+
+    folder = str(Path(__file__).resolve().parents[1] / "experiments" / "data" / "smollm2-135m")
+    whole = load_data(DataConfig(source="corpus", path=folder, use=128, held_out_every=8), None)
+    cut = load_data(DataConfig(source="corpus", path=folder, use=128, held_out_every=8, max_prompt=16), None)
+    assert whole.held and len(whole.train) + len(whole.held) == 128
+    assert [len(a.tokens) - a.response_start for a in whole.train] == [len(b.tokens) - b.response_start for b in cut.train]
+    assert all(b.response_start <= 16 for b in cut.train + cut.held)
+    assert all(torch.equal(a.tokens[a.response_start - b.response_start:], b.tokens)
+               for a, b in zip(whole.held, cut.held))  # the held-out rule reads the whole prompt
+    with pytest.raises(ValueError, match="data.path"):
+        DataConfig(source="corpus")

@@ -16,20 +16,22 @@ from specdec.eval.config import TargetConfig
 
 __all__ = ["DataConfig", "OptimConfig", "TrainConfig", "SOURCES"]
 
-SOURCES = ("distill", "stdlib")
+SOURCES = ("distill", "stdlib", "corpus")
 
 
 @dataclass
 class DataConfig:
     """Which sequences a recipe trains on (:mod:`specdec.training.data`)."""
 
-    source: str = "distill"  # distill: the target's own greedy answers to offline prompts; stdlib: Python's source
-    path: str | None = None  # distill: a stored data set (save_sequences' format) instead of generating one
+    source: str = "distill"  # distill: the target's own greedy answers to offline prompts; stdlib: Python's source;
+    #                          corpus: the committed corpus folder (specdec.training.corpus), greedy and sampled answers
+    path: str | None = None  # distill: a stored data set (save_sequences' format); corpus: the shard folder
     sequences: int = 512  # distill: prompts answered (the cached data set; its first `use` are used)
     max_new_tokens: int = 256  # distill: response length cap
     seed: int = 0  # distill: prompt shuffle
     use: int | None = None  # only the first N sequences (None: all)
     max_len: int | None = None  # cut every sequence to this many tokens (None: whole)
+    max_prompt: int | None = None  # keep only the last N prompt tokens (features cost per token; the loss reads responses)
     window: int = 129  # stdlib: tokens per training sequence (the text is cut into windows)
     vocab_size: int = 4096  # stdlib without a target: the BPE tokenizer trained on the training files
     max_files: int | None = None  # stdlib: only the first N training files (None: all)
@@ -44,6 +46,10 @@ class DataConfig:
             raise ValueError(f"data.feature_dtype must be float32, bfloat16 or float16, got {self.feature_dtype!r}")
         if self.held_out_every < 2:
             raise ValueError(f"data.held_out_every must be >= 2, got {self.held_out_every}")
+        if self.source == "corpus" and not self.path:
+            raise ValueError("data.source=corpus needs data.path, the corpus folder (e.g. experiments/data/smollm2-135m)")
+        if self.max_prompt is not None and self.max_prompt < 1:
+            raise ValueError(f"data.max_prompt must be >= 1 or null, got {self.max_prompt}")
         if self.window < 2:
             raise ValueError(f"data.window must be >= 2, got {self.window}")
 

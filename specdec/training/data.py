@@ -4,7 +4,10 @@
 text the target itself wrote: ``source: distill`` formats offline prompts with the target's chat
 template and has the target answer them (greedy, through this library's own loop, so exactly what
 it would emit when served), cached once per (model, settings) under ``cache_dir()/distill/``.
-Prompts come from ShareGPT (first human turns), MT-bench and HumanEval. A model trained from
+Prompts come from ShareGPT (first human turns), MT-bench and HumanEval. ``source: corpus`` reads the
+committed corpus instead (:mod:`specdec.training.corpus`: every ShareGPT turn, greedy and sampled
+answers, grown in shards), so nobody regenerates it; ``max_prompt`` keeps only the end of each
+prompt, since the losses read responses and features cost per token. A model trained from
 scratch, which has no answers of its own, reads ``source: stdlib``: Python's standard library source
 (:mod:`specdec.training.text`), cut into windows of ``window`` tokens.
 
@@ -265,18 +268,30 @@ def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[
         train, held = ([TokenSeq(w, 0) for w in windows(encode_files(tokenizer, fs), cfg.window)]
                        for fs in (files, held_files))
         return train[: cfg.use], held, tokenizer
-    if cfg.path:
+    if cfg.source == "corpus":
+        from specdec.training.corpus import read_corpus
+
+        seqs = [TokenSeq(s.tokens, s.response_start) for s in read_corpus(cfg.path)]
+        if not seqs:
+            raise ValueError(f"no corpus shards (shard-*.safetensors) in {cfg.path}")
+    elif cfg.path:
         seqs = load_sequences(cfg.path)
     elif target is None:
         raise ValueError("data.source=distill needs a target to answer the prompts (or data.path)")
     else:
         seqs = self_distill(target, cfg.sequences, cfg.max_new_tokens, cfg.seed, batch=64, progress=progress)
     seqs = seqs[: cfg.use]
-    seqs = [TokenSeq(s.tokens[: cfg.max_len], s.response_start) for s in seqs]
-    names = [",".join(map(str, s.tokens[: s.response_start].tolist())) for s in seqs]  # the prompt
+    names = [",".join(map(str, s.tokens[: s.response_start].tolist())) for s in seqs]  # the whole prompt
+    seqs = [_cut(s, cfg.max_prompt, cfg.max_len) for s in seqs]
     split = [held_out(n, cfg.held_out_every) for n in names]
     return ([s for s, h in zip(seqs, split) if not h], [s for s, h in zip(seqs, split) if h],
             target.tokenizer if target is not None else None)
+
+
+def _cut(seq: TokenSeq, max_prompt: int | None, max_len: int | None) -> TokenSeq:
+    """``seq`` with only its last ``max_prompt`` prompt tokens, then cut to ``max_len`` tokens."""
+    drop = max(0, seq.response_start - max_prompt) if max_prompt is not None else 0
+    return TokenSeq(seq.tokens[drop:][:max_len], seq.response_start - drop)
 
 
 def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | None = None,

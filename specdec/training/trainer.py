@@ -264,7 +264,9 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
             log.info("step %d: %s", progress.step, json.dumps(now))
         if progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0):
             held = evaluate(recipe, model, data, cfg, device)
-            progress.log.append({"step": progress.step, "tokens": progress.tokens, "held_out": held})
+            progress.log.append({"step": progress.step, "tokens": progress.tokens,
+                                 "response_tokens": progress.response_tokens,
+                                 "seconds": round(wall_before + time.time() - start, 1), "held_out": held})
             log.info("step %d held-out: %s", progress.step, json.dumps(held))
         if cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < stop:
             save_state()
