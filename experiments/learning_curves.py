@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--use", type=int, default=384, help="corpus sequences (the first N; held-out ones included)")
     ap.add_argument("--max-prompt", type=int, default=64, help="prompt tokens kept (the last N)")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=280, help="optimiser steps (the same for every family)")
+    ap.add_argument("--steps", type=int, default=160, help="optimiser steps (the same for every family)")
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--runs", default="outputs/curves", help="run folders, relative to the repository root")
     ap.add_argument("--out", default="docs/learning_curves", help="report path without suffix")

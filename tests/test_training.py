@@ -374,3 +374,28 @@ def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path)
     D = smollm2.hidden_size
     torch.testing.assert_close(f["features"][0, :, D:], out.hidden_states[2][0])
     torch.testing.assert_close(smollm2.logits(f["final"])[0], out.logits[0])
+
+
+def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "experiments" / "learning_curves.py")
+    curves = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(curves)
+    assert curves.mal([0.5, 0.5, 0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert curves.mal([0.4], 4) == pytest.approx(1.4)  # a one-position drafter: its natural length
+    for family, first in (("eagle3", 0.3), ("mtp", 0.1)):
+        (tmp_path / "runs" / family).mkdir(parents=True)
+        log = [{"step": s, "tokens": 1000 * s, "response_tokens": 700 * s, "seconds": 10.0 * s,
+                "held_out": {"accept": [first * s, first * s / 2]}} for s in (1, 2)]
+        (tmp_path / "runs" / family / RECORD_FILE).write_text(json.dumps(
+            {"command": f"python experiments/train.py --config-name smollm2_{family}", "wall_seconds": 20.0,
+             "log": [{"step": 1, "loss": 1.0}, *log]}))
+    args = curves.argparse.Namespace(runs=str(tmp_path / "runs"), families=("eagle3", "dflash", "mtp"),
+                                     out=str(tmp_path / "out" / "curves"))
+    curves.report(args)
+    data = json.loads((tmp_path / "out" / "curves.json").read_text())
+    assert list(data) == ["eagle3", "mtp"] and [p["response_tokens"] for p in data["eagle3"][:-1]] == [700, 1400]
+    assert data["eagle3"][1]["mal4"] == pytest.approx(1 + 0.6 + 0.6 * 0.3, abs=1e-3)
+    table = (tmp_path / "out" / "curves.md").read_text()
+    assert "| eagle3 | 1,400 |" in table and "smollm2_mtp" in table and (tmp_path / "out" / "curves.png").stat().st_size
