@@ -130,8 +130,10 @@ def resolve_checkpoint(name: str | Path) -> Path:
         return committed[str(name)]
     recipe = uncommitted_checkpoints().get(str(name))
     if recipe is not None:
+        command, out = recipe
         raise FileNotFoundError(f"checkpoint {str(name)!r} is not committed (the repository stays under its size "
-                                f"budget); make it, from the repository root, with: {recipe}")
+                                f"budget); make it, from the repository root, with: {command} (it writes {out}; "
+                                f"pass that folder as the checkpoint)")
     if _looks_like_hub_id(str(name)):
         if hub_reachable():
             from huggingface_hub import snapshot_download
@@ -151,16 +153,17 @@ def _checkpoint_root() -> Path | None:
         return None
 
 
-def uncommitted_checkpoints() -> dict[str, str]:
-    """Name → reproducing command of every checkpoint recorded but not committed: its folder keeps
-    only ``training.json`` (how it was made and what it measured), not its weights."""
+def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
+    """Name → (reproducing command, the folder it writes) of every checkpoint recorded but not
+    committed: its folder keeps only ``training.json`` (how it was made and what it measured)."""
     root = _checkpoint_root()
     if root is None:
         return {}
     out = {}
     for p in sorted(root.iterdir()):
         if (p / "training.json").is_file() and not (p / "config.json").is_file():
-            out[p.name] = json.loads((p / "training.json").read_text())["command"]
+            rec = json.loads((p / "training.json").read_text())
+            out[p.name] = (rec["command"], rec["config"]["out"])
     return out
 
 
