@@ -56,7 +56,8 @@ sweep-drafters: setup
 	$(PY) experiments/run.py --config-name smollm2_drafters -m progress=false
 	$(PY) experiments/report.py multirun/smollm2_drafters
 
-# The GPU kit (docs/gpu.md): kernels, the loop at Llama-3.1-8B scale, planted and real acceptance, in
+# The GPU kit (docs/gpu.md): kernels, the loop at Llama-3.1-8B scale, planted (with and without the
+# batch-aware scheduler) and real acceptance, EAGLE-3 training throughput, in
 # under 8 minutes on an H200; results into OUT. DRY_RUN=1: the CPU run at tiny shapes (the tests run it).
 # No set-up: a GPU machine without network runs it with its own python3 (torch, transformers, safetensors).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)

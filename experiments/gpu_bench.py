@@ -4,10 +4,13 @@
     make gpu-bench OUT=/tmp/dry DRY_RUN=1       # CPU, tiny shapes (the test suite runs this)
 
 Writes into OUT: ``env.json`` (GPU, driver, versions, or "cpu dry run"), ``results.json`` (every
-measurement, and which sections were skipped for time), ``results.md`` (the tables) and, when
-matplotlib is there, ``kernels.png``, ``forward.png``, ``planted.png``. Hard dependencies: torch,
-transformers, safetensors (matplotlib and Triton optional). Runs from a bare checkout: specdec need
-not be installed, and no registry entry point, hydra or offline model package is used.
+measurement, which sections were skipped for time, and the error of any section that failed) and
+``results.md`` (the tables), both rewritten after every section, and, when matplotlib is there,
+``kernels.png``, ``forward.png``, ``planted.png``. Hard dependencies: torch, transformers,
+safetensors (matplotlib and Triton optional; PyYAML and tqdm come with transformers). Runs from a
+bare checkout: specdec need not be installed, and no registry entry point, hydra or offline model
+package is used. A section that raises is recorded and the next one still runs; the exit status
+is then non-zero.
 
 Sections, in order (``--budget-s`` skips the rest when the next would not fit, and records it):
 
@@ -19,16 +22,30 @@ Sections, in order (``--budget-s`` skips the rest when the next would not fit, a
    or only the reference when triton is absent (``results.json`` says which).
 2. **forward**: a random-weight Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, MLP 14336,
    vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
-   one forward over m new tokens after a 512-token context, ``t(m)/t(1)``.
-3. **planted**: end-to-end greedy decoding on that target with :class:`PlantedDrafter` (its own
-   greedy continuation, each position accepted with probability p): measured speedup vs the
-   same loop without a drafter, and the speedup predicted from acceptance and measured costs
-   (``specdec.eval.runner.predicted_speedup``). A systems benchmark: acceptance is planted.
+   one forward over m new tokens after a 512-token context, ``t(m)/t(1)``, at batch 1, 4, 16, 64.
+3. **planted**: end-to-end greedy decoding on that target at concurrency 1, 4, 16, 64 with
+   :class:`PlantedDrafter` (its own greedy continuation, each position accepted with probability
+   p), k drafts every step and again under the batch-aware prefix scheduler
+   (:class:`specdec.scheduler.ScheduledDrafter`: DSpark's rule, its confidences the planted p, its
+   costs the forward section's verify times at that batch and the planted run's draft time):
+   measured speedup vs the same loop without a drafter, and the speedup predicted from acceptance
+   and measured costs (``specdec.eval.runner.predicted_speedup``), for both. A systems benchmark:
+   acceptance is planted.
 4. **mtp**: the committed tiny DeepSeek-V3 with its MTP modules, fp32 and bf16, k = 1..4: greedy
    output identical to autoregressive decoding, acceptance, speedup.
+5. **train**: tokens/s of the EAGLE-3 recipe (``experiments/conf/train/smollm2_eagle3.yaml`` with
+   ``experiments/learning_curves.py``'s options) through the one trainer, on the committed corpus
+   (``experiments/data/smollm2-135m``, prompts cut to 64 tokens), 350 steps of 32 sequences: 10x
+   the 1 120 sequences of the CPU learning-curve runs. SmolLM2-135M's weights cannot travel to the
+   GPU machine (no offline model package there, and they exceed the 64 MiB checkout), so the
+   target has SmolLM2-135M's shape and vocabulary (the corpus's token ids fit) with random bf16
+   weights: **a throughput measurement only**; its loss and acceptance say nothing about drafting.
+   Features are computed per batch on the device. Timed in two parts with the trainer's own
+   stop-and-resume (30 steps, then the rest only when the budget allows it at the first part's
+   rate); the dry run trains a narrow 8-layer model of the same vocabulary 2 + 2 steps.
 
 **Time estimate for the real run on an H200** (the budget is 8 minutes; ``--budget-s`` defaults
-to 420 s, so the last section is dropped rather than the run overrunning):
+to 420 s, so the last sections are dropped rather than the run overrunning):
 
 - start-up: imports, CUDA context, the copy probe: ~15 s.
 - kernels: rejection sampler 3 variants (chain probs, tree probs, chain greedy logits) × 36 shapes
@@ -38,18 +55,25 @@ to 420 s, so the last section is dropped rather than the run overrunning):
   plus the first call) ≈ 8 s; input generation (multinomial over up to 64·8 × 262k) ≈ 15 s.
   Draft input 3 M × 2 paths, 4 GEMM configs compiled (~8 s); Markov 3 B × 2 paths, 5 configs
   (~8 s); KV gather 3 shapes (one compile). Kernels total ≈ 75 s.
-- forward: building 8.0 B bf16 parameters on the GPU ≈ 10 s. Per batch B ∈ {1, 8, 64}: a 512-token
-  prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up + 5
-  timed) forwards: 126 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s; B = 1:
-  16 GB of weights at ~4 TB/s plus ~10 ms of eager launches ≈ 15 ms) ≈ 12 s. Total ≈ 25 s.
+- forward: building 8.0 B bf16 parameters on the GPU ≈ 10 s. Per batch B ∈ {1, 4, 16, 64}: a
+  512-token prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up
+  + 5 timed) forwards: 168 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s;
+  B = 1: 16 GB of weights at ~4 TB/s plus ~10 ms of eager launches ≈ 15 ms) ≈ 15 s. Total ≈ 30 s.
 - planted: per concurrency c ∈ {1, 4, 16, 64}: one autoregressive run (64 new tokens, 64 steps ×
-  15–40 ms ≈ 1–2.5 s) and one speculative run (k = 4, p = 0.8: ~19 steps × 20–60 ms ≈ 1 s), after
-  one warm-up: ≈ 15 s. Prompts are 128 tokens.
+  15–40 ms ≈ 1–2.5 s), one speculative run (k = 4, p = 0.8: ~19 steps × 20–60 ms ≈ 1 s) and one
+  under the scheduler (19–64 steps, ≤ 2.5 s; its schedule is ~1 ms of Python a step at c = 64),
+  after one warm-up: ≈ 25 s. Prompts are 128 tokens.
 - mtp: the 17 MB checkpoint, 2 dtypes × (1 AR + 4 speculative runs) of 4 prompts × 64 tokens on
-  a 2-layer model: ~1 200 small steps × ~10 ms of eager launches ≈ 15 s.
+  a 2-layer model: ~1 000 small steps × ~10 ms of eager launches ≈ 15 s.
+- train: the random 135M target (< 1 s, built once) and the corpus (384 sequences, < 1 s, read by
+  each part). A step is 32 sequences × 7 training-time-test steps of a one-layer head, each
+  ~50 small eager ops forward and about as many backward, with two host syncs (``int()`` counts):
+  ~20 000 launches ≈ 0.2–0.3 s, plus a 30-layer feature forward over 32 × ~330 tokens (~5 ms);
+  350 steps ≈ 70–105 s, with two held-out evaluations (19 sequences) ≈ 105 s in all.
 
-Sum ≈ 15 + 75 + 25 + 15 + 15 ≈ 145 s, a factor of ~3 below the 8 minutes; the guard covers a
-slow compile cache or a slower GPU.
+Sum ≈ 15 + 75 + 30 + 25 + 15 + 105 ≈ 265 s (about 4.5 minutes), under the 8 minutes with the
+420 s guard covering a slow compile cache or a slower GPU (the training's second part, the
+largest item, runs only if the first part's rate says it fits).
 """
 
 from __future__ import annotations
@@ -62,7 +86,9 @@ import platform as host
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +108,7 @@ from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
 CHECKPOINT = ROOT / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
+CORPUS = ROOT / "experiments" / "data" / "smollm2-135m"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,6 +281,23 @@ def autotune_winners() -> dict[str, dict[str, str]]:
 # ------------------------------------------------------------------------------------------------
 # 2. the target at real scale
 
+def random_llama(device: str, dtype: torch.dtype, **config: Any):
+    """A Llama of the given shape with random weights, made on ``device`` in ``dtype`` (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**config)
+    cfg._attn_implementation = "sdpa"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.to(dtype).eval()
+
+
 def build_target(device: str, dry: bool):
     """Llama-3.1-8B's shape with random bf16 weights, made on the GPU; a tiny Llama in the dry run."""
     from specdec.target import Target
@@ -262,50 +306,47 @@ def build_target(device: str, dry: bool):
         from specdec.testing.tiny import tiny_model
 
         return Target(tiny_model("llama", vocab_size=256, init_scale=0.3, seed=0))
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return Target(random_llama(device, torch.bfloat16, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                               max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False))
 
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                         rope_theta=500000.0, tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default)
-    return Target(model.to(torch.bfloat16).eval())
+
+FORWARD = {"dry": dict(context=32, ms=(1, 2, 4, 8), batches=(1, 4), reps=3),
+           "real": dict(context=512, ms=(1, 2, 4, 8, 16, 32, 64), batches=(1, 4, 16, 64), reps=5)}
+
+
+def forward_times(target, device: str, B: int, context: int, ms: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Median seconds of one forward over m new tokens per row after a ``context``-token prompt, batch B."""
+    g = torch.Generator().manual_seed(B)
+    session = target.new_session(B)
+    target.prefill(session, torch.randint(0, target.vocab_size, (B, context), generator=g).tolist())
+    times: dict[int, float] = {}
+    for m in ms:
+        tokens = torch.randint(0, target.vocab_size, (B, m), generator=g).to(target.device)
+        samples = []
+        for i in range(reps + 1):  # the first is a warm-up
+            sync(device)
+            t0 = time.perf_counter()
+            target.forward(session, tokens)
+            sync(device)
+            if i:
+                samples.append(time.perf_counter() - t0)
+            target.commit(session, torch.zeros(B, m, dtype=torch.bool, device=target.device))
+            session.cache.compact()  # drop the block again: every forward sees the same context
+        times[m] = sorted(samples)[len(samples) // 2]
+    return times
 
 
 def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch."""
-    context, ms, Bs, reps = (32, (1, 2, 4, 8), (1, 4), 3) if dry else (512, (1, 2, 4, 8, 16, 32, 64), (1, 8, 64), 5)
+    f = FORWARD["dry" if dry else "real"]
     rows = []
-    g = torch.Generator().manual_seed(0)
-    for B in Bs:
+    for B in f["batches"]:
         if not budget.allows(f"forward: B={B}", 2.0 if dry else 12.0):
             continue
-        session = target.new_session(B)
-        target.prefill(session, torch.randint(0, target.vocab_size, (B, context), generator=g).tolist())
-        times: dict[int, float] = {}
-        for m in ms:
-            tokens = torch.randint(0, target.vocab_size, (B, m), generator=g).to(target.device)
-            samples = []
-            for i in range(reps + 1):  # the first is a warm-up
-                sync(device)
-                t0 = time.perf_counter()
-                target.forward(session, tokens)
-                sync(device)
-                if i:
-                    samples.append(time.perf_counter() - t0)
-                target.commit(session, torch.zeros(B, m, dtype=torch.bool, device=target.device))
-                session.cache.compact()  # drop the block again: every forward sees the same context
-            times[m] = sorted(samples)[len(samples) // 2]
-        rows += [{"batch": B, "m": m, "context": context, "ms": t * 1e3, "t_over_t1": t / times[ms[0]]}
+        times = forward_times(target, device, B, f["context"], f["ms"], f["reps"])
+        rows += [{"batch": B, "m": m, "context": f["context"], "ms": t * 1e3, "t_over_t1": t / times[f["ms"][0]]}
                  for m, t in times.items()]
-        del session
     return {"model": "tiny llama (dry run)" if dry else "Llama-3.1-8B shape, random bf16 weights",
             "dtype": str(target.dtype).removeprefix("torch."), "rows": rows}
 
@@ -313,59 +354,84 @@ def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, A
 # ------------------------------------------------------------------------------------------------
 # 3. planted acceptance, 4. real acceptance
 
-def spec_vs_ar(target, make_drafter: Callable[[dict], Any], prompts: list[list[int]], new_tokens: int,
-               k: int) -> dict[str, Any]:
-    """One autoregressive and one speculative run through the same loop (greedy verifier): the
-    speedups measured and predicted, acceptance, and whether the outputs are identical.
-    ``make_drafter(continuations)`` builds the drafter; continuations are the AR outputs."""
-    from specdec.eval.runner import predicted_speedup
+def decode(target, drafter, prompts: list[list[int]], new_tokens: int, k: int):
+    """One greedy run of the loop (no EOS: every row makes ``new_tokens``)."""
     from specdec.loop import Request, run
     from specdec.verifiers.greedy import GreedyVerifier
 
-    def go(drafter):
-        return run(target, drafter, GreedyVerifier(), [Request(list(p), new_tokens) for p in prompts], k=k,
-                   eos_token_ids=set())
+    return run(target, drafter, GreedyVerifier(), [Request(list(p), new_tokens) for p in prompts], k=k,
+               eos_token_ids=set())
 
-    ar = go(None)
-    conts = {tuple(p): r.tokens for p, r in zip(prompts, ar.requests)}
-    spec = go(make_drafter(conts))
 
-    def per_row_step(res):
-        rm, steps = res.metrics, sum(r.metrics.steps for r in res.requests)
-        return rm, max(steps, 1)
+def compare(ar, spec, k: int) -> dict[str, Any]:
+    """An autoregressive and a speculative run of the same requests: the speedups measured and
+    predicted (from the speculative run's acceptance and measured costs, against the autoregressive
+    cost per token), acceptance, drafts verified per step, and whether the outputs are identical."""
+    from specdec.eval.runner import predicted_speedup
 
-    (am, a_steps), (sm, s_steps) = per_row_step(ar), per_row_step(spec)
     reqs = [r.metrics for r in spec.requests]
+    row_steps = lambda res: max(sum(r.metrics.steps for r in res.requests), 1)  # noqa: E731
+    a_steps, s_steps = row_steps(ar), row_steps(spec)
+    am, sm = ar.metrics, spec.metrics
     drafted = [sum(r.drafted_at[d] if d < len(r.drafted_at) else 0 for r in reqs) for d in range(k)]
     accepted = [sum(r.accepted_at[d] if d < len(r.accepted_at) else 0 for r in reqs) for d in range(k)]
     reached = [drafted[0]] + accepted[:-1]
-    mal = sum(r.accepted for r in reqs) / max(sum(r.steps for r in reqs), 1) + 1
+    mal = sum(r.accepted for r in reqs) / s_steps + 1
     ar_token = (am.draft_s + am.target_s + am.verify_s) / a_steps
-    decode = lambda res: (res.metrics.wall_s - res.metrics.prefill_s) / max(res.metrics.new_tokens - len(prompts), 1)  # noqa: E731
-    return {"concurrency": len(prompts), "k": k, "new_tokens": new_tokens,
+    n = len(spec.requests)
+    decode_s = lambda res: (res.metrics.wall_s - res.metrics.prefill_s) / max(res.metrics.new_tokens - n, 1)  # noqa: E731
+    return {"concurrency": n, "k": k, "new_tokens": spec.requests[0].metrics.new_tokens,
             "identical": [r.tokens for r in spec.requests] == [r.tokens for r in ar.requests],
-            "mean_accepted_length": mal,
-            "acceptance_given_reached": [a / n if n else None for a, n in zip(accepted, reached)],
-            "speedup": ar.metrics.wall_s / spec.metrics.wall_s, "decode_speedup": decode(ar) / decode(spec),
+            "mean_accepted_length": mal, "drafts_verified_per_step": sum(r.drafted for r in reqs) / s_steps,
+            "acceptance_given_reached": [a / c if c else None for a, c in zip(accepted, reached)],
+            "speedup": am.wall_s / sm.wall_s, "decode_speedup": decode_s(ar) / decode_s(spec),
             "predicted_speedup": predicted_speedup(mal, sm.draft_s / s_steps, (sm.target_s + sm.verify_s) / s_steps,
                                                    ar_token),
-            "ar_wall_s": ar.metrics.wall_s, "spec_wall_s": spec.metrics.wall_s}
+            "ar_wall_s": am.wall_s, "spec_wall_s": sm.wall_s}
 
 
-def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int) -> dict[str, Any]:
+def planted_costs(target, device: str, dry: bool, c: int, k: int, forward_rows: list[dict], plain) -> tuple[Any, str]:
+    """The scheduler's step costs at concurrency ``c``: verify times of a [c, m] block from the
+    forward section (measured here when it did not run at batch ``c``), the draft pass from the
+    planted run without the scheduler (seconds per batch step)."""
+    from specdec.scheduler import StepCosts
+
+    at_c = {r["m"]: r["ms"] / 1e3 for r in forward_rows if r["batch"] == c}
+    source = f"forward section, batch {c}"
+    if not at_c:
+        f = FORWARD["dry" if dry else "real"]
+        at_c = forward_times(target, device, c, f["context"], tuple(range(1, k + 2)), f["reps"])
+        source = f"measured for the scheduler, batch {c}"
+    ms = sorted(at_c)
+    draft = plain.metrics.draft_s / max(plain.metrics.batch_steps, 1)
+    return StepCosts([c * m for m in ms], [at_c[m] for m in ms], [c], [draft]), source
+
+
+def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int,
+                  forward_rows: list[dict]) -> dict[str, Any]:
+    """Per concurrency: autoregressive decoding, the planted drafter, and the planted drafter under
+    the batch-aware prefix scheduler (:class:`specdec.scheduler.ScheduledDrafter`, its confidences
+    the planted p, its costs the measured verify and draft times)."""
+    from specdec.scheduler import ScheduledDrafter
     from specdec.testing.planted import PlantedDrafter
 
     prompt_len, new_tokens, concurrencies = (16, 12, (1, 4)) if dry else (128, 64, (1, 4, 16, 64))
     g = torch.Generator().manual_seed(1)
-    rows = []
-    drafter = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
-    spec_vs_ar(target, drafter, [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
+    rows, costs_used = [], {}
+    planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
+    decode(target, planted({}), [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
     for c in concurrencies:
-        if not budget.allows(f"planted: concurrency {c}", 2.0 if dry else 6.0):
+        if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 9.0):
             continue
         prompts = torch.randint(0, target.vocab_size, (c, prompt_len), generator=g).tolist()
-        rows.append(spec_vs_ar(target, drafter, prompts, new_tokens, k))
-    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows}
+        ar = decode(target, None, prompts, new_tokens, k)
+        conts = {tuple(q): r.tokens for q, r in zip(prompts, ar.requests)}
+        plain = decode(target, planted(conts), prompts, new_tokens, k)
+        costs, source = planted_costs(target, device, dry, c, k, forward_rows, plain)
+        scheduled = decode(target, ScheduledDrafter(planted(conts), costs), prompts, new_tokens, k)
+        rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
+        costs_used[c] = {"source": source, **asdict(costs)}
+    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
 
 
 def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
@@ -382,12 +448,95 @@ def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
         target = load_target(str(CHECKPOINT), dtype=dtype)
         target.model.to(device)
         prompts = [target.tokenizer.encode(f.read_text())[:48] for f in stdlib_files("heldout")[:n_prompts]]
-        drafter = lambda conts: MTPDrafter.create(target, checkpoint=str(CHECKPOINT), policy="cycle")  # noqa: E731
+        ar = decode(target, None, prompts, new_tokens, 1)
         for k in (1, 2, 3, 4):
-            rows.append({"dtype": str(dtype).removeprefix("torch."), **spec_vs_ar(target, drafter, prompts, new_tokens, k)})
+            drafter = MTPDrafter.create(target, checkpoint=str(CHECKPOINT), policy="cycle")
+            rows.append({"dtype": str(dtype).removeprefix("torch."),
+                         **compare(ar, decode(target, drafter, prompts, new_tokens, k), k)})
         del target
     return {"checkpoint": str(CHECKPOINT.relative_to(ROOT)), "prompts": "first 48 tokens of held-out stdlib files",
             "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. training throughput
+
+TRAIN_LABEL = "training throughput only: the target has SmolLM2-135M's shape but random weights"
+# The CPU recipe it scales: experiments/learning_curves.py's defaults (the committed corpus, 384
+# sequences, prompts cut to 64 tokens, 280 steps of 4 sequences = 1 120 sequences drawn).
+CPU_SEQUENCES = 280 * 4
+TRAIN = {"dry": dict(batch=2, steps=4, first=2, use=24, max_len=96),
+         "real": dict(batch=32, steps=350, first=30, use=None, max_len=None)}  # 11 200 sequences: 10x
+
+
+def smollm2_shaped(device: str, dry: bool):
+    """A random-weight target with SmolLM2-135M's shape (the corpus's vocabulary, so its token ids
+    fit), bf16 on the GPU; narrower and shallower in the dry run (same vocabulary)."""
+    from specdec.target import Target
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2) if dry else \
+        dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    model = random_llama(device, torch.float32 if dry else torch.bfloat16, vocab_size=49152, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, **shape)
+    return Target(model)
+
+
+def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+    """The EAGLE-3 recipe (experiments/conf/train/smollm2_eagle3.yaml, with learning_curves.py's
+    options) through the one trainer on the committed corpus at 10x the CPU recipe's sequences,
+    target features computed per batch on the device. Timed in two parts with the trainer's own
+    stop-and-resume: the first ``first`` steps (start-up, allocator, kernel selection), then the
+    rest only when the budget allows it, at the rate the first part measured."""
+    import tempfile
+
+    import yaml  # a dependency of transformers
+
+    from learning_curves import OPTIONS  # noqa: E402  (experiments/ is this script's folder)
+    from specdec.training.config import DataConfig, OptimConfig, TrainConfig
+    from specdec.training.trainer import train
+
+    t = TRAIN["dry" if dry else "real"]
+    recipe = yaml.safe_load((ROOT / "experiments" / "conf" / "train" / "smollm2_eagle3.yaml").read_text())
+    options = {**recipe["options"], **{o.split("=")[0].removeprefix("options."): int(o.split("=")[1])
+                                       for o in OPTIONS["eagle3"]}}
+    if dry:
+        options.update(draft_vocab=64, anchors=8, eval_anchors=8)
+    target = smollm2_shaped(device, dry)
+    with tempfile.TemporaryDirectory() as tmp:
+        def config(stop_after: int | None, resume: bool) -> TrainConfig:
+            optim = {k: v for k, v in recipe["optim"].items()}
+            optim.update(batch=t["batch"], steps=t["steps"], stop_after=stop_after, bf16=not dry)
+            data = DataConfig(source="corpus", path=str(CORPUS), use=t["use"], max_prompt=64, max_len=t["max_len"],
+                              cache_features=False, feature_dtype="float32" if dry else "bfloat16")
+            return TrainConfig(recipe=recipe["recipe"], options=options, target=None, data=data,
+                               optim=OptimConfig(**optim), out=f"{tmp}/out", work=f"{tmp}/work", seed=0,
+                               threads=1 if dry else min(8, os.cpu_count() or 1), resume=resume, log_every=10,
+                               progress=False)
+
+        t0 = time.perf_counter()
+        first = train(config(t["first"], False), target=target).record
+        first_s = time.perf_counter() - t0  # start-up included: an upper bound for the estimate below
+        parts = [{"steps": t["first"], "seconds": first_s, "tokens": first.tokens,
+                  "response_tokens": first.response_tokens, "what": "wall time, start-up included"}]
+        record, rest = first, t["steps"] - t["first"]
+        if budget.allows(f"train: the remaining {rest} steps", first_s / t["first"] * rest + 20.0):
+            record = train(config(None, True), target=target).record
+            parts.append({"steps": rest, "seconds": record.parts[-1]["loop_seconds"],
+                          "tokens": record.tokens - first.tokens,
+                          "response_tokens": record.response_tokens - first.response_tokens,
+                          "what": "the training loop alone (resumed)"})
+    steady = parts[-1]
+    losses = [e["loss"] for e in record.log if "loss" in e]
+    return {"label": TRAIN_LABEL, "recipe": recipe["recipe"], "options": options,
+            "target": "tiny SmolLM2-vocabulary llama (dry run)" if dry else "SmolLM2-135M shape, random bf16 weights",
+            "data": f"{CORPUS.relative_to(ROOT)}, prompts cut to 64 tokens, target features per batch on the device",
+            "batch": t["batch"], "steps": record.steps, "sequences": record.steps * t["batch"],
+            "cpu_recipe_sequences": CPU_SEQUENCES, "data_ratio": record.steps * t["batch"] / CPU_SEQUENCES,
+            "tokens": record.tokens, "response_tokens": record.response_tokens, "parts": parts,
+            "tokens_per_s": steady["tokens"] / steady["seconds"],
+            "response_tokens_per_s": steady["response_tokens"] / steady["seconds"], "rate_from": steady["what"],
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,26 +571,42 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
         pr = results["planted"]
         out += [f"## Planted-acceptance drafter ({pr['label']})", "",
                 f"p = {pr['p']} per position, on the forward section's target; greedy; prompts of "
-                f"{pr['prompt_tokens']} tokens.", ""]
-        out += _spec_table(pr["rows"], with_dtype=False)
+                f"{pr['prompt_tokens']} tokens. Each concurrency: one autoregressive run, the planted drafter at"
+                " k drafts a step, and the same drafter under the batch-aware prefix scheduler"
+                " (`specdec.scheduler.ScheduledDrafter`: confidences = the planted p, costs = the measured"
+                " verify times of a [concurrency, m] block and the planted run's draft time).", ""]
+        out += _spec_table(pr["rows"], lead="scheduler")
     if "mtp" in results:
         mr = results["mtp"]
         out += ["## Real acceptance: tiny DeepSeek-V3 with its MTP modules", "",
                 f"`{mr['checkpoint']}`, {mr['prompts']}; greedy.", ""]
-        out += _spec_table(mr["rows"], with_dtype=True)
+        out += _spec_table(mr["rows"], lead="dtype")
+    if "train" in results:
+        tr = results["train"]
+        out += [f"## Training throughput: EAGLE-3 recipe ({tr['label']})", "",
+                f"`{tr['recipe']}` through the one trainer, options {json.dumps(tr['options'])}; {tr['target']};"
+                f" data: {tr['data']}. {tr['steps']} steps of {tr['batch']} sequences = {tr['sequences']} sequences,"
+                f" {tr['data_ratio']:.3g}x the CPU recipe's {tr['cpu_recipe_sequences']}. The target's weights are"
+                " random, so the loss and acceptance measure nothing about drafting quality.", "",
+                "| part | steps | seconds | tokens | tokens/s | response tokens/s | timed |", "|---|---|---|---|---|---|---|"]
+        out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
+                f"| {p['response_tokens'] / p['seconds']:.0f} | {p['what']} |" for i, p in enumerate(tr["parts"])]
+        out.append("")
+    if results["errors"]:
+        out += ["## Errors", ""] + [f"- {name}: `{e['error']}`" for name, e in results["errors"].items()] + [""]
     if results["skipped"]:
         out += ["## Skipped for time", ""] + [f"- {s['what']} (at {s['elapsed_s']} s)" for s in results["skipped"]] + [""]
     return "\n".join(out)
 
 
-def _spec_table(rows: list[dict], with_dtype: bool) -> list[str]:
-    head = "| " + ("dtype | " if with_dtype else "") + "concurrency | k | identical to AR | mean accepted length " \
+def _spec_table(rows: list[dict], lead: str) -> list[str]:
+    head = f"| {lead} | concurrency | k | identical to AR | mean accepted length | drafts verified / step " \
         "| acceptance per position | measured speedup | decode speedup | predicted speedup |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         acc = ", ".join(_f(a) for a in r["acceptance_given_reached"])
-        lines.append("| " + (f"{r['dtype']} | " if with_dtype else "") + f"{r['concurrency']} | {r['k']} | {r['identical']} "
-                     f"| {r['mean_accepted_length']:.2f} | {acc} | {r['speedup']:.2f} | {r['decode_speedup']:.2f} "
+        lines.append(f"| {r[lead]} | {r['concurrency']} | {r['k']} | {r['identical']} | {r['mean_accepted_length']:.2f} "
+                     f"| {r['drafts_verified_per_step']:.2f} | {acc} | {r['speedup']:.2f} | {r['decode_speedup']:.2f} "
                      f"| {r['predicted_speedup']:.2f} |")
     return lines + [""]
 
@@ -480,15 +645,22 @@ def figures(results: dict[str, Any], out: Path) -> list[str]:
         made.append(_save(fig, out / "forward.png"))
     rows = results.get("planted", {}).get("rows", [])
     if rows:
-        fig, ax = plt.subplots(figsize=(5, 4))
-        c = [r["concurrency"] for r in rows]
-        ax.plot(c, [r["speedup"] for r in rows], "o-", label="measured")
-        ax.plot(c, [r["predicted_speedup"] for r in rows], "^--", label="predicted (acceptance, costs)")
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        for i, sched in enumerate((False, True)):
+            pts = [r for r in rows if r["scheduler"] == sched]
+            c, name = [r["concurrency"] for r in pts], "with the scheduler" if sched else "k drafts every step"
+            ax.plot(c, [r["speedup"] for r in pts], "o-", color=f"C{i}", label=f"measured, {name}")
+            ax.plot(c, [r["predicted_speedup"] for r in pts], "^--", color=f"C{i}", markerfacecolor="none",
+                    markersize=9, label=f"predicted, {name}")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
+        cs = sorted({r["concurrency"] for r in rows})
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.minorticks_off()
         ax.set_xlabel("concurrency")
         ax.set_ylabel("speedup over autoregressive")
         ax.set_title(PLANTED_LABEL, fontsize=8)
-        ax.legend()
+        ax.legend(fontsize=7)
         made.append(_save(fig, out / "planted.png"))
     return made
 
@@ -507,7 +679,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path, help="folder for env.json, results.json, results.md, figures")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this many seconds")
-    ap.add_argument("--sections", default="kernels,forward,planted,mtp")
+    ap.add_argument("--sections", default="kernels,forward,planted,mtp,train")
     ap.add_argument("--p", type=float, default=0.8, help="planted acceptance per position")
     ap.add_argument("--k", type=int, default=4, help="draft length of the planted run")
     args = ap.parse_args()
@@ -521,30 +693,45 @@ def main() -> None:
     env = environment(device)
     (args.out / "env.json").write_text(json.dumps(env, indent=1))
     results: dict[str, Any] = {"dry_run": args.dry_run, "budget_s": args.budget_s, "skipped": budget.skipped,
-                               "section_s": {}}
+                               "errors": {}, "section_s": {}}
+
+    def write() -> None:
+        """After every section: a machine lost halfway still leaves what it measured."""
+        results["wall_s"] = round(budget.elapsed(), 2)
+        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+        (args.out / "results.md").write_text(markdown(results, env))
 
     def section(name: str, fn: Callable[[], dict]) -> None:
+        """Run one section; an error is recorded (and printed) and the next section still runs."""
         if name not in sections:
             return
         t0 = time.perf_counter()
-        results[name] = fn()
+        try:
+            results[name] = fn()
+        except Exception as e:  # noqa: BLE001  (minutes on a lent GPU: one broken section must not cost the rest)
+            results["errors"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            print(results["errors"][name]["traceback"], file=sys.stderr)
         results["section_s"][name] = round(time.perf_counter() - t0, 2)
         print(f"{name}: {results['section_s'][name]} s")
+        write()
 
     section("kernels", lambda: bench_kernels(device, args.dry_run, budget))
     if {"forward", "planted"} & set(sections) and budget.allows("forward + planted: the target", 1.0 if args.dry_run else 30.0):
         target = build_target(device, args.dry_run)
         section("forward", lambda: bench_forward(target, device, args.dry_run, budget))
-        section("planted", lambda: bench_planted(target, device, args.dry_run, budget, args.p, args.k))
+        section("planted", lambda: bench_planted(target, device, args.dry_run, budget, args.p, args.k,
+                                                 results.get("forward", {}).get("rows", [])))
         del target
         if device == "cuda":
             torch.cuda.empty_cache()
     section("mtp", lambda: bench_mtp(device, args.dry_run, budget))
-    results["wall_s"] = round(budget.elapsed(), 2)
+    if "train" in sections and budget.allows("train", 15.0 if args.dry_run else 60.0):
+        section("train", lambda: bench_train(device, args.dry_run, budget))
     results["figures"] = figures(results, args.out)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "results.md").write_text(markdown(results, env))
+    write()
     print(f"wrote {args.out} in {results['wall_s']} s")
+    if results["errors"]:
+        sys.exit(f"errors in: {', '.join(results['errors'])} (results.md lists them)")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,16 @@ Reads every ``summary.json`` below the folder (with the ``config.json`` beside i
 ``--out`` (default: the folder itself):
 
 - ``throughput_latency.png``: throughput (tokens/s) against mean end-to-end latency, one point per
-  concurrency, one line for autoregressive decoding and one per speculative method (drafter and k);
+  concurrency, one line for autoregressive decoding (per dataset / temperature, averaged over the
+  jobs that measured it) and one per speculative method (drafter and k);
 - ``acceptance.png``: acceptance per draft position, one line per speculative method (lowest concurrency);
 - ``speedup_k.png``: speedup over autoregressive decoding against k: measured end to end, measured
-  decode only, and predicted from measured acceptance and costs (the gap is loop overhead);
+  decode only, and predicted from measured acceptance and costs (hollow markers; the gap is loop
+  overhead).
+
+Readable by construction: a figure with nothing to show is not written (no acceptance figure for
+autoregressive-only jobs); every series has its own colour and marker, and series that share x
+values sit side by side (a small offset), so a line never hides another; legends sit beside the axes.
 - ``report.md``: the figures, a table of every method of every run, and each run's own tables
   (its ``summary.md``, written by :func:`specdec.eval.runner.summary_markdown`); with
   ``--per-request``, tokens/s of every method and mean accepted length per request too.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,7 +40,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from specdec.eval.runner import lossy_mark  # noqa: E402
 
-__all__ = ["load_runs", "write_report"]
+__all__ = ["FIGURES", "load_runs", "write_figures", "write_report"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -89,71 +96,143 @@ def _series(runs: list[dict]) -> dict[str, dict[int, dict]]:
     return series
 
 
-def _finish(fig, ax, path: Path, legend_size: int = 7) -> None:
-    """Grid, legend, tight layout, save, close: the same last lines for every figure."""
+# Each series gets its own colour and marker: 11 markers against 10 colours never repeat a pair
+# (for 110 series), so two lines that coincide still show both markers.
+MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "*", "h")
+
+
+def _style(i: int) -> dict:
+    return {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)]}
+
+
+def _offsets(n: int, width: float) -> list[float]:
+    """``n`` offsets centred on 0, at most ``width`` apart in all: series that share x values sit
+    side by side instead of on top of each other."""
+    step = width / max(n - 1, 1)
+    return [(i - (n - 1) / 2) * step for i in range(n)]
+
+
+def _concentric(series: list[list[tuple[float, float]]]) -> list[float]:
+    """Marker sizes: a series drawn on exactly the points of earlier ones gets a smaller marker
+    than each of them, so coinciding series show as concentric markers, none hidden."""
+    key = [tuple((float(f"{x:.4g}"), float(f"{y:.4g}")) for x, y in pts) for pts in series]
+    total = {k: key.count(k) for k in key}
+    return [6.0 + 3.5 * (total[k] - 1 - key[:i].count(k)) for i, k in enumerate(key)]
+
+
+def _new_figure(title: str, wide: bool = False):
+    fig, ax = plt.subplots(figsize=(8.5 if wide else 6.5, 4.2), dpi=100)
+    ax.set_title("\n".join(textwrap.wrap(title, 95 if wide else 75)), fontsize=9)
+    return fig, ax
+
+
+def _finish(fig, ax, legend_size: int = 7):
+    """Grid, the legend under the axes (it never covers a line; the figure grows to hold it), tight
+    layout: the same last lines of every figure."""
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    entries = len(ax.get_legend_handles_labels()[1])
+    ncol = 3 if fig.get_figwidth() > 7 else 2
+    fig.set_figheight(4.2 + 0.17 * -(-entries // ncol))
+    legend = ax.legend(fontsize=legend_size, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol, frameon=False)
+    for handle in legend.legend_handles:  # one marker size in the legend, whatever the plot's
+        handle.set_markersize(min(handle.get_markersize(), 7))
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
-def plot_throughput_latency(runs: list[dict], path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
-    for label, by_c in _series(runs).items():
-        cs = sorted(by_c)
-        xs, ys = [by_c[c]["latency_mean_s"] for c in cs], [by_c[c]["tokens_per_s"] for c in cs]
-        ax.plot(xs, ys, marker="o", linestyle="--" if label.startswith("autoregressive") else "-", label=label)
+def figure_throughput_latency(runs: list[dict], title: str):
+    """Throughput against latency: one autoregressive line per job context (averaged over the jobs
+    that share it, not one per drafter) and one line per speculative method."""
+    series = _series(runs)
+    points = {label: [(by_c[c]["latency_mean_s"], by_c[c]["tokens_per_s"]) for c in sorted(by_c)]
+              for label, by_c in series.items()}
+    fig, ax = _new_figure(title + " (labels: concurrency)")
+    for i, ((label, pts), size) in enumerate(zip(points.items(), _concentric(list(points.values())))):
+        cs, (xs, ys) = sorted(series[label]), zip(*pts)
+        style = _style(i)
+        if label.startswith("autoregressive"):  # the baseline: black, dashed, hollow
+            style.update(color="black", linestyle="--", markerfacecolor="white")
+        ax.plot(xs, ys, label=label, markersize=size, **style)
         for c, x, y in zip(cs, xs, ys):
-            ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+            ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("mean end-to-end latency per request (s)")
     ax.set_ylabel("throughput (new tokens/s)")
-    ax.set_title(title + "\n(labels: concurrency)", fontsize=9)
-    _finish(fig, ax, path)
+    return _finish(fig, ax)
 
 
-def plot_acceptance(runs: list[dict], path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
-    for label, by_c in _series(runs).items():
-        if label.startswith("autoregressive"):
-            continue
-        s = by_c[min(by_c)]
-        acc = s.get("acceptance_at") or []
-        ax.plot(range(1, len(acc) + 1), acc, marker="o",
-                label=f"{label} (mean accepted length {s['mean_accepted_length']:.2f})")
-    ax.set_xlabel("draft position")
+def figure_acceptance(runs: list[dict], title: str):
+    """Acceptance per draft position at the lowest concurrency, one line per speculative method;
+    None when no method drafted (autoregressive-only jobs): no empty panel."""
+    curves = {label: by_c[min(by_c)] for label, by_c in _series(runs).items()
+              if not label.startswith("autoregressive") and by_c[min(by_c)].get("acceptance_at")}
+    if not curves:
+        return None
+    fig, ax = _new_figure(title)
+    for i, ((label, s), dx) in enumerate(zip(curves.items(), _offsets(len(curves), 0.3))):
+        acc = s["acceptance_at"]
+        ax.plot([j + 1 + dx for j in range(len(acc))], acc, linestyle="-", markersize=6, alpha=0.9,
+                label=f"{label} (mean accepted length {s['mean_accepted_length']:.2f})", **_style(i))
+    positions = max(len(s["acceptance_at"]) for s in curves.values())
+    ax.set_xticks(range(1, positions + 1))
+    ax.set_xlabel("draft position (series side by side)")
     ax.set_ylabel("acceptance (given drafted that deep)")
-    ax.set_ylim(0, 1)
-    ax.set_title(title, fontsize=9)
-    _finish(fig, ax, path)
+    ax.set_ylim(-0.05, 1.05)  # a line at 0 or 1 stays clear of the frame
+    return _finish(fig, ax)
 
 
-def plot_speedup_k(runs: list[dict], path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.8), dpi=100)
+# measured, decode only, predicted: told apart by line and fill; the predicted markers are larger and hollow
+MEASURES = {"speedup": ({"linestyle": "-"}, "measured"),
+            "decode_speedup": ({"linestyle": ":", "markersize": 4}, "measured, decode only"),
+            "predicted_speedup": ({"linestyle": "--", "markerfacecolor": "none", "markersize": 9,
+                                   "markeredgewidth": 1.6, "zorder": 3}, "predicted (acceptance, costs)")}
+
+
+def figure_speedup_k(runs: list[dict], title: str):
+    """Speedup over autoregressive decoding against k, per method and concurrency: measured end to
+    end, decode only, and predicted; None when no run drafted."""
     groups: dict[tuple[str, int], list[tuple[int, dict]]] = defaultdict(list)
     context = _context(runs)
     for r in runs:
         for m, s in _speculative(r).items():
             groups[(_family(r, m) + lossy_mark(s) + context(r), r["config"]["concurrency"])].append((s["k"], s))
-    styles = {"speedup": ("-", "o", "measured"), "decode_speedup": (":", "s", "measured, decode only"),
-              "predicted_speedup": ("--", "^", "predicted (acceptance, costs)")}
-    for i, ((name, c), pts) in enumerate(sorted(groups.items())):
+    if not groups:
+        return None
+    fig, ax = _new_figure(title, wide=True)
+    for i, (((name, c), pts), dx) in enumerate(zip(sorted(groups.items()), _offsets(len(groups), 0.4))):
         pts.sort(key=lambda p: p[0])
-        ks = [k for k, _ in pts]
-        for key, (ls, marker, _) in styles.items():
-            ax.plot(ks, [s.get(key, 0) for _, s in pts], marker=marker, linestyle=ls, color=f"C{i}",
-                    label=f"{name}, concurrency {c}" if key == "speedup" else None)
-    for key, (ls, marker, text) in styles.items():
-        ax.plot([], [], color="black", linestyle=ls, marker=marker, label=text)
+        style = _style(i)
+        for key, (extra, _) in MEASURES.items():
+            have = [(k * 2 ** dx, s[key]) for k, s in pts if s.get(key) is not None]  # offset in log2 units
+            if have:
+                ax.plot(*zip(*have), label=f"{name}, concurrency {c}" if key == "speedup" else None,
+                        gid=key, **{"markersize": 6, **style, **extra})
+    for key, (extra, text) in MEASURES.items():  # legend entries for the three measures
+        ax.plot([], [], color="black", marker="o", label=text, **{"markersize": 6, **extra})
     ks_all = sorted({k for pts in groups.values() for k, _ in pts})
-    ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("k (num_speculative_tokens)")
+    ax.axhline(1.0, color="grey", linewidth=0.8, gid="reference")  # break-even
+    ax.set_xlabel("k (num_speculative_tokens; series side by side)")
     ax.set_ylabel("speedup over autoregressive")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ks_all, [str(k) for k in ks_all])
     ax.minorticks_off()
-    ax.set_title(title, fontsize=9)
-    _finish(fig, ax, path, legend_size=6)
+    return _finish(fig, ax, legend_size=6)
+
+
+FIGURES = {"throughput_latency.png": figure_throughput_latency, "acceptance.png": figure_acceptance,
+           "speedup_k.png": figure_speedup_k}
+
+
+def write_figures(runs: list[dict], out: Path, title: str) -> list[str]:
+    """The figures that have something to show, saved under ``out``; their file names."""
+    written = []
+    for name, build in FIGURES.items():
+        fig = build(runs, title)
+        if fig is None:
+            continue
+        fig.savefig(out / name)
+        plt.close(fig)
+        written.append(name)
+    return written
 
 
 def _fmt(x, spec: str) -> str:
@@ -183,10 +262,7 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
     c0 = runs[0]["config"]
     title = title or (f"{c0['target']['model']}, {c0['dataset']['name']} ({c0['dataset']['num_prompts']} prompts),"
                       f" temperature {c0['sampling']['temperature']}")
-    figures = {"throughput_latency.png": plot_throughput_latency, "acceptance.png": plot_acceptance,
-               "speedup_k.png": plot_speedup_k}
-    for name, fn in figures.items():
-        fn(runs, out / name, title)
+    figures = write_figures(runs, out, title)
 
     lines = [f"# Sweep report: {title}", "", f"Source: `{folder}` ({len(runs)} runs, numbered as its job folders;"
              f" git {runs[0]['meta'].get('git_sha') or '?'}, torch {runs[0]['meta'].get('torch')},"

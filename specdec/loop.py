@@ -13,12 +13,15 @@ same code.
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from specdec.drafter import Drafter
 from specdec.metrics import RequestMetrics, RunMetrics
@@ -28,7 +31,7 @@ from specdec.types import Committed, DraftProposal, Requirements, node_depths
 from specdec.validate import as_int, as_token_ids
 from specdec.verifier import Verifier
 
-__all__ = ["LossyVerifierWarning", "Request", "RequestResult", "RunResult", "run", "validate_requests"]
+__all__ = ["LossyVerifierWarning", "Request", "RequestResult", "RunResult", "interactive", "run", "validate_requests"]
 
 
 class LossyVerifierWarning(UserWarning):
@@ -91,22 +94,36 @@ class _Clock:
         return time.perf_counter()
 
 
+def interactive() -> bool:
+    """Someone is watching: stderr is a terminal, outside pytest and CI (where bars only clutter logs)."""
+    return sys.stderr.isatty() and "PYTEST_CURRENT_TEST" not in os.environ and not os.environ.get("CI")
+
+
 def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int = 4,
-        eos_token_ids: set[int] | None = None) -> RunResult:
-    """Generate for a batch of requests. See the module docstring for the step."""
+        eos_token_ids: set[int] | None = None, progress: bool | None = False) -> RunResult:
+    """Generate for a batch of requests. See the module docstring for the step.
+
+    ``progress``: a tqdm bar on stderr, new tokens out of the requests' ``max_new_tokens`` in
+    total; None shows it when :func:`interactive`. Off by default here, as the runner, the training
+    data pipeline and the test tools call this many times (the first two with bars of their own);
+    :func:`specdec.generate` shows it by default when interactive.
+    """
     validate_requests(target, drafter, requests, k)
     if not verifier.lossless:
         warnings.warn(f"verifier {verifier.name!r} is lossy: the output is not distributed as the target's",
                       LossyVerifierWarning, stacklevel=2)
     rows = RowSampling([r.sampling for r in requests], target.device)
     verifier.check(rows)
-    with target.capturing(drafter.requirements() if drafter is not None else Requirements()):
-        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids)
+    show = interactive() if progress is None else progress
+    bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc="generate", unit="tok", disable=not show,
+               file=sys.stderr)
+    with bar, target.capturing(drafter.requirements() if drafter is not None else Requirements()):
+        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar)
 
 
 def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int,
-              rows: RowSampling, eos_token_ids: set[int] | None) -> RunResult:
-    """The loop itself, inside the target's capture scope for this run."""
+              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm) -> RunResult:
+    """The loop itself, inside the target's capture scope for this run; ``bar`` counts new tokens."""
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
     B, dev = len(requests), target.device
     clock, rm = _Clock(dev), RunMetrics()
@@ -129,6 +146,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     active = _emit(first.tokens, first.num_emitted, live, outputs, requests, metrics, eos)
     t1 = clock()
     rm.prefill_s = t1 - t0
+    bar.update(sum(len(o) for o in outputs))
     for m in metrics:
         m.ttft_s = m.latency_s = rm.prefill_s
     state = drafter.start(committed, rows) if drafter is not None else None
@@ -167,6 +185,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         keep = keep.scatter_(1, torch.where(in_path, order, n + 1), True)[:, : n + 1]
         target.commit(session, keep)
         active = _emit(ver.tokens, ver.num_emitted, live, outputs, requests, metrics, eos)
+        bar.update(sum(len(o) for o in outputs) - bar.n)
         _record(metrics, live, proposal, ver.num_accepted)
         committed = Committed(
             tokens=torch.where(in_path, inputs.gather(1, order), -1), num_tokens=ver.num_accepted + 1,

@@ -16,7 +16,7 @@ from specdec.drafters.dspark.model import DSparkModel
 from specdec.kernels.markov import markov_chain, markov_sample_reference
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
-from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 from specdec.types import Committed
 from specdec.verifiers import GreedyVerifier

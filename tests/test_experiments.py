@@ -260,7 +260,7 @@ def _tiny_cfg(**kw) -> RunConfig:
     return RunConfig(**{**base, **kw})
 
 
-def test_a_lossy_verifier_is_marked_in_summaries_tables_and_legends(tmp_path, target, monkeypatch):
+def test_a_lossy_verifier_is_marked_in_summaries_tables_and_legends(tmp_path, target):
     sampled = SamplingParams(temperature=0.8)
     with pytest.warns(LossyVerifierWarning):
         run_experiment(_tiny_cfg(verifier=VerifierConfig("typical"), sampling=sampled), out_dir=tmp_path / "0_typical",
@@ -272,14 +272,9 @@ def test_a_lossy_verifier_is_marked_in_summaries_tables_and_legends(tmp_path, ta
     assert [s["lossless"] for s in exact.values()] == [True, True]
     assert "| spec (lossy) | ngram |" in (tmp_path / "0_typical" / "summary.md").read_text()
     assert "(lossy)" not in (tmp_path / "1_rejection" / "summary.md").read_text()
-    legends: list[str] = []
-    finish = report._finish
-
-    def keep_legend(fig, ax, path, legend_size=7):
-        legends.extend(t for t in ax.get_legend_handles_labels()[1])
-        finish(fig, ax, path, legend_size)
-
-    monkeypatch.setattr(report, "_finish", keep_legend)
+    figures = [build(report.load_runs(tmp_path), "t") for build in report.FIGURES.values()]
+    legends = [t for fig in figures for t in fig.axes[0].get_legend_handles_labels()[1]]
+    report.plt.close("all")
     overview = report.write_report(tmp_path).read_text().split("\n## Run `")[0]
     assert overview.count(" | spec (lossy) |") == 1 and overview.count(" | ar (lossy) |") == 1
     assert overview.count(" | spec |") == 1 and overview.count(" | ar |") == 1

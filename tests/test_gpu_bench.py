@@ -58,7 +58,7 @@ def test_planted_all_or_nothing():
         assert m.mean_accepted_length == expect
 
 
-@pytest.mark.slow  # ~30 s on one CPU core
+@pytest.mark.slow  # ~45 s on one CPU core
 def test_dry_run_writes_every_file(tmp_path):
     """`make gpu-bench DRY_RUN=1`'s command: every section runs on CPU and says what it measured."""
     proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_bench.py"), "--dry-run", "--out",
@@ -67,7 +67,8 @@ def test_dry_run_writes_every_file(tmp_path):
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["gpu"] == "cpu dry run" and env["torch"] and env["transformers"]
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["dry_run"] and res["skipped"] == [] and set(res["section_s"]) == {"kernels", "forward", "planted", "mtp"}
+    assert res["dry_run"] and res["skipped"] == [] and res["errors"] == {}
+    assert set(res["section_s"]) == {"kernels", "forward", "planted", "mtp", "train"}
     kr = res["kernels"]
     assert kr["path"] == "cpu interpreter (TRITON_INTERPRET=1)" and kr["copy_bandwidth_GBps"] > 0
     kernels = {r["kernel"] for r in kr["rows"]}
@@ -78,12 +79,18 @@ def test_dry_run_writes_every_file(tmp_path):
     assert {r["batch"] for r in fw} == {1, 4} and all(r["t_over_t1"] == 1.0 for r in fw if r["m"] == 1)
     planted = res["planted"]
     assert planted["label"] == "systems benchmark: acceptance is planted, not learned"
-    assert [r["concurrency"] for r in planted["rows"]] == [1, 4]
+    assert [(r["concurrency"], r["scheduler"]) for r in planted["rows"]] == [(c, s) for c in (1, 4) for s in (False, True)]
+    assert {c: v["source"] for c, v in planted["scheduler_costs"].items()} == {
+        "1": "forward section, batch 1", "4": "forward section, batch 4"}  # the scheduler priced by measured forwards
     mtp = res["mtp"]["rows"]
     assert [(r["dtype"], r["k"]) for r in mtp] == [(d, k) for d in ("float32", "bfloat16") for k in (1, 2, 3, 4)]
     for r in planted["rows"] + mtp:
         assert r["identical"] and r["mean_accepted_length"] >= 1 and r["speedup"] > 0 and r["predicted_speedup"] > 0
+    train = res["train"]
+    assert train["label"].startswith("training throughput only") and train["recipe"].endswith("Eagle3Recipe")
+    assert [p["steps"] for p in train["parts"]] == [2, 2] and train["steps"] == 4  # stopped, then resumed
+    assert train["tokens_per_s"] > 0 and train["tokens"] == sum(p["tokens"] for p in train["parts"])
     md = (tmp_path / "results.md").read_text()
-    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md
+    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md
     if res["figures"]:  # matplotlib present
         assert all((tmp_path / f).stat().st_size > 0 for f in res["figures"])

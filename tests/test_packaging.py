@@ -51,8 +51,33 @@ def test_demo_finds_every_committed_smollm2_drafter():
     for name in SMOLLM2_DRAFTERS:
         folder = resolve_checkpoint(drafter_options(name)["checkpoint"])
         assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file(), name
-        assert default_k(name) >= 1
-    assert drafter_options("ngram") == {}
+        assert default_k(name)[0] >= 1
+    assert drafter_options("ngram") == {} and default_k("ngram")[0] == 8
+
+
+def test_demo_default_k_is_the_best_k_recorded_with_the_checkpoint(tmp_path, monkeypatch):
+    import json
+
+    import specdec.models
+    from specdec.eval.demo import TRAINED_K, default_k
+    from specdec.training.trainer import TrainingRecord
+
+    monkeypatch.setattr(specdec.models, "resolve_checkpoint", lambda name: tmp_path)
+    record = TrainingRecord(revision=None, command="train", config={}, steps=1, tokens=1, wall_seconds=1.0, held_out={})
+    record.write(tmp_path)
+    k, why = default_k("eagle3")
+    assert k == TRAINED_K and "no best k recorded" in why  # the trainer writes none
+
+    measured = "make sweep-drafters: k=3 fastest, 1.21x (docs/results.md)"
+    record.best_k = {"k": 3, "measured": measured}
+    record.write(tmp_path)
+    assert TrainingRecord.read(tmp_path).best_k == {"k": 3, "measured": measured}
+    assert default_k("eagle3") == (3, f"best measured, recorded with the checkpoint: {measured}")
+
+    for bad in ({"k": 0, "measured": measured}, {"k": 3}, 3):
+        (tmp_path / "training.json").write_text(json.dumps({"best_k": bad}))
+        with pytest.raises(ValueError, match="best_k must be"):
+            default_k("eagle3")
 
 
 def test_demo_help_documents_every_option():

@@ -10,7 +10,7 @@ Three changes to DFlash (:mod:`specdec.drafters.dflash.drafter`):
    target's; ``q`` is exactly the distribution each token was drawn from. Greedy drafting takes
    the argmaxes in the same order and returns ``q = None``.
 3. **Confidences and the prefix scheduler.** The confidence head gives ``c_k`` per draft
-   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.drafters.dspark.scheduler.schedule` sets
+   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.scheduler.schedule` sets
    ``num_valid`` per row from the survival products and a step-cost table profiled once at
    start-up for ``profile_gamma`` drafts a step (default: the trained block's), or passed as ``costs``. When even the best schedule is expected to be slower than
    autoregressive decoding, the next step skips drafting (an empty proposal, also lossless),
@@ -34,7 +34,7 @@ from torch import Tensor
 from specdec.drafters.dflash.drafter import BlockDrafter, BlockState
 from specdec.drafters.dflash.model import BlockDraftModel
 from specdec.drafters.dspark.model import DSparkConfig, DSparkModel
-from specdec.drafters.dspark.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.scheduler import ScheduleState, StepCosts, profile_step_costs, schedule, skip_step
 from specdec.kernels.markov import markov_chain, markov_sample
 from specdec.models import cache_dir
 from specdec.sampling import RowSampling, SamplingParams
@@ -45,12 +45,9 @@ __all__ = ["DSparkDrafter", "DSparkState"]
 
 
 @dataclass
-class DSparkState(BlockState):
-    """DFlash's block state plus what the prefix scheduler carries from step to step."""
-
-    probe_gap: int  # steps the scheduler may skip before it drafts again to re-probe
-    skipped: int = 0  # steps skipped since the last draft
-    conf: Tensor | None = None  # [B, γ] the last drafts' calibrated confidences
+class DSparkState(ScheduleState, BlockState):
+    """DFlash's block state (anchors, pending, cache) plus what the prefix scheduler carries from
+    step to step (probe_gap, skipped, conf)."""
 
 
 class DSparkDrafter(BlockDrafter):
@@ -133,22 +130,9 @@ class DSparkDrafter(BlockDrafter):
         return torch.sigmoid(logits)
 
     def _skip(self, state: DSparkState, k: int) -> bool:
-        """Skip drafting when the last confidences say even the best schedule is slower than
-        autoregressive decoding. A skipped row re-probes after ``probe_every`` steps; each probe
-        that still says "skip" doubles that gap (up to 64), so a batch where drafting never pays
-        spends almost nothing on probes."""
-        if state.conf is None or state.conf.shape[1] != k:
-            return False
+        """The scheduler's skip rule (:func:`specdec.scheduler.skip_step`) on the last confidences."""
         assert self.costs is not None
-        spec, ar = best_throughput(state.conf, self.costs, self.budget, self.ragged)
-        if spec >= ar:
-            state.skipped, state.probe_gap = 0, self.probe_every
-            return False
-        state.skipped += 1
-        if state.skipped >= state.probe_gap:  # probe: draft once to refresh the confidences
-            state.skipped, state.probe_gap = 0, min(2 * state.probe_gap, 64)
-            return False
-        return True
+        return skip_step(state, k, self.costs, self.budget, self.ragged, self.probe_every)
 
     # --- start-up profiling -------------------------------------------------------------------
     def profile(self, target: Target, context: int = 32, gamma: int | None = None) -> StepCosts:

@@ -79,14 +79,15 @@ def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, 
     ``in_draft`` [V] is ``t2d``; ``anchors`` [A] from :func:`sample_anchors`.
     """
     T, dt = seq.tokens.numel(), model.fc.weight.dtype
-    layer, tokens = model.layers[0], seq.tokens
+    layer, tokens, dev = model.layers[0], seq.tokens, seq.tokens.device
+    anchors = anchors.to(dev)  # drawn on the CPU generator; every index below lives with the batch
     # step 0 at every slot i < T-1: keys and values of the context
     g0 = model.fuse(seq.features[: T - 1].unsqueeze(0))
     emb0 = embed(tokens[1:T].unsqueeze(0)).to(dt)
-    cos, sin = model.rope(g0, torch.arange(T - 1).unsqueeze(0))
+    cos, sin = model.rope(g0, torch.arange(T - 1, device=dev).unsqueeze(0))
     q0, k0, v0, res0 = layer.qkv(emb0, g0, cos, sin)
     A = anchors.numel()
-    ctx = torch.arange(T - 1).unsqueeze(0) <= anchors.unsqueeze(1)  # [A, T-1]
+    ctx = torch.arange(T - 1, device=dev).unsqueeze(0) <= anchors.unsqueeze(1)  # [A, T-1]
     q, res = q0[:, :, anchors], res0[:, anchors]
     keys, values, diag = [k0], [v0], []
     total = g0.new_zeros(())
@@ -100,7 +101,7 @@ def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, 
             q, k, v, res = layer.qkv(emb, y, cos, sin)
             keys.append(k)
             values.append(v)
-            diag.append(torch.eye(A, dtype=torch.bool))
+            diag.append(torch.eye(A, dtype=torch.bool, device=dev))
         allowed = torch.cat([ctx, *diag], dim=1).unsqueeze(0)  # [1, A, T-1 + s·A]
         attn = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
                                               attn_mask=allowed.unsqueeze(1), enable_gqa=q.shape[1] != k0.shape[1])

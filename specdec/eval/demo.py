@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -38,7 +39,9 @@ def merge_intervals(intervals):
 SMOLLM2_DRAFTERS = {"mtp": "smollm2-135m-mtp", "gemma_mtp": "smollm2-135m-gemma-mtp", "eagle3": "smollm2-135m-eagle3",
                     "dflash": "smollm2-135m-dflash", "dspark": "smollm2-135m-dspark"}
 NGRAM_K = 8  # prompt lookup: long drafts cost nothing to make, and code edits copy long spans
-TRAINED_K = 1  # the committed heads are accepted at the first position only (see default_k)
+# a trained drafter without a recorded best k: the committed heads are accepted at the first position
+# only (docs/results.md, "All drafters on the same prompts": 0.00-0.06 at position 2)
+TRAINED_K = 1
 
 
 def drafter_options(name: str) -> dict:
@@ -46,11 +49,30 @@ def drafter_options(name: str) -> dict:
     return {"checkpoint": SMOLLM2_DRAFTERS[name]} if name in SMOLLM2_DRAFTERS else {}
 
 
-def default_k(name: str) -> int:
-    """The demo's draft length: long for prompt lookup; 1 for the committed trained drafters, whose
-    acceptance beyond the first position is near zero (docs/results.md, "All drafters on the same
-    prompts": 0.00–0.06 at position 2)."""
-    return NGRAM_K if name not in SMOLLM2_DRAFTERS else TRAINED_K
+def recorded_best_k(folder: Path) -> dict | None:
+    """The best measured draft length recorded with a checkpoint: ``best_k`` of its
+    ``training.json`` (``{"k": int, "measured": "command and figure"}``), or None when absent."""
+    meta = folder / "training.json"
+    best = json.loads(meta.read_text()).get("best_k") if meta.is_file() else None
+    if best is None:
+        return None
+    if not (isinstance(best, dict) and isinstance(best.get("k"), int) and best["k"] >= 1 and best.get("measured")):
+        raise ValueError(f"{meta}: best_k must be {{\"k\": int >= 1, \"measured\": \"command and figure\"}},"
+                         f" got {best!r}")
+    return best
+
+
+def default_k(name: str) -> tuple[int, str]:
+    """The demo's draft length and where it comes from: long for prompt lookup; for a trained
+    drafter the best k recorded with its checkpoint, else :data:`TRAINED_K`."""
+    if name not in SMOLLM2_DRAFTERS:
+        return NGRAM_K, "prompt lookup's default"
+    from specdec.models import resolve_checkpoint  # transformers: not for --help
+
+    best = recorded_best_k(resolve_checkpoint(SMOLLM2_DRAFTERS[name]))
+    if best is None:
+        return TRAINED_K, "no best k recorded with the checkpoint; position-2 acceptance is near zero"
+    return best["k"], f"best measured, recorded with the checkpoint: {best['measured']}"
 
 
 def verdict(spec: GenerationSummary, base: GenerationSummary) -> list[str]:
@@ -75,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafter", default="ngram", choices=["ngram", *SMOLLM2_DRAFTERS],
                     help="ngram (prompt lookup) or a drafter with a committed SmolLM2 checkpoint (default: ngram)")
     ap.add_argument("--k", type=int, default=None,
-                    help=f"draft tokens per step (default: ngram {NGRAM_K}; a trained drafter {TRAINED_K}, as its"
-                         " acceptance beyond the first position is near zero)")
+                    help=f"draft tokens per step (default: ngram {NGRAM_K}; a trained drafter the best k measured"
+                         " with its checkpoint, recorded as best_k in its training.json, else"
+                         f" {TRAINED_K}, as acceptance beyond the first position is near zero)")
     ap.add_argument("--prompt", default=PROMPT, help="the user message (default: a code-editing request)")
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default: 96)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -91,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    k = args.k if args.k is not None else default_k(args.drafter)
+    k, k_source = (args.k, "--k") if args.k is not None else default_k(args.drafter)
     target = specdec.load_target("smollm2-135m", dtype=torch.float32)
     sampling = specdec.SamplingParams(temperature=args.temperature, seed=args.seed)
     common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=True)
@@ -106,12 +129,14 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.json:
         print(json.dumps({"speedup": speedup, "identical_to_autoregressive": identical, "threads": torch.get_num_threads(),
+                          "k": k, "k_source": k_source,
                           "speculative": s.to_dict(), "autoregressive": b.to_dict()}, indent=2))
         return
     print(spec.texts[0] if spec.texts else spec.tokens[0])
     print("-" * 72)
     print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {torch.get_num_threads()} threads)   drafter: {args.drafter}"
-          f"   k={k}   temperature={args.temperature}")
+          f"   temperature={args.temperature}")
+    print(f"k={k}: {k_source}")
     print(f"autoregressive : {b.tokens_per_s:7.1f} tokens/s  ({b.new_tokens} tokens, {b.wall_s:.2f} s)")
     print(f"speculative    : {s.tokens_per_s:7.1f} tokens/s  ({s.new_tokens} tokens, {s.wall_s:.2f} s)")
     print(f"speedup        : {speedup:.2f}x")

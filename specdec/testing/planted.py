@@ -78,6 +78,11 @@ class PlantedDrafter(Drafter):
         dev = self.target.device
         return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev))
 
+    def draft_confidences(self, state: list[_Row], proposal: DraftProposal) -> Tensor:
+        """The planted acceptance, known exactly: ``p`` at every position. [B, n] (What
+        :class:`specdec.scheduler.ScheduledDrafter` schedules by.)"""
+        return torch.full(proposal.tokens.shape, self.p, device=proposal.tokens.device)
+
     def observe(self, state: list[_Row], committed: Committed) -> None:
         for row, n in zip(state, committed.num_tokens.tolist()):
             row.pos += n

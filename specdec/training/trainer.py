@@ -77,6 +77,9 @@ class TrainingRecord:
     versions: dict[str, str] = field(default_factory=dict)
     equivalent_command: str | None = None  # for checkpoints made before the one trainer: the same recipe with it
     note: str | None = None
+    # the draft length that measured fastest with this checkpoint, filled in after measuring (the
+    # trainer writes None): {"k": int, "measured": "the command, and the figure it gave"}; the demo's default k
+    best_k: dict[str, Any] | None = None
 
     def write(self, folder: str | Path) -> Path:
         path = Path(folder) / RECORD_FILE

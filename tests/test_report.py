@@ -1,0 +1,108 @@
+"""The sweep report's figures are readable: no empty panel, no line hidden under another, the
+predicted markers visible, one autoregressive baseline per job context. Checked on the matplotlib
+objects of figures built from a small synthetic multirun result (no model runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import pytest
+from matplotlib.colors import to_rgba
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("specdec_experiments_report", ROOT / "experiments" / "report.py")
+report = importlib.util.module_from_spec(_spec)
+assert _spec.loader is not None
+_spec.loader.exec_module(report)
+
+
+def _run(drafter: str | None, k: int, c: int, temperature: float = 0.0, acceptance: list[float] | None = None) -> dict:
+    """One job folder as :func:`report.load_runs` reads it: its config and summary."""
+    ar = {"tokens_per_s": 20.0 * c ** 0.5, "latency_mean_s": 2.0 + 0.1 * c, "lossless": True}
+    summary: dict = {"ar": ar}
+    if drafter is not None:
+        acc = acceptance if acceptance is not None else [0.0] * k
+        summary["spec"] = {"prefill_s": 0.1, "k": k, "acceptance_at": acc, "mean_accepted_length": 1 + sum(acc),
+                           "tokens_per_s": 15.0 * c ** 0.5, "latency_mean_s": 2.5 + 0.1 * c, "speedup": 0.8,
+                           "decode_speedup": 0.8, "predicted_speedup": 0.8, "lossless": True}
+    config = {"concurrency": c, "num_speculative_tokens": k, "drafter": {"name": drafter},
+              "dataset": {"name": "mtbench"}, "sampling": {"temperature": temperature}}
+    return {"dir": Path(f"{drafter}_{k}_{c}"), "config": config, "meta": {}, "summary": summary}
+
+
+# a drafters sweep: three drafters (two of them never accepted: their lines coincide at 0) x two
+# concurrencies, every job measuring its own autoregressive baseline, speedups all equal
+SWEEP = [_run(d, 4, c, acceptance=[0.5, 0.25, 0.1, 0.0] if d == "eagle3" else None)
+         for d, c in itertools.product(("eagle3", "mtp", "dflash"), (1, 4))]
+
+
+@pytest.fixture()
+def figures():
+    built = {name: build(SWEEP, "a drafters sweep") for name, build in report.FIGURES.items()}
+    yield built
+    report.plt.close("all")
+
+
+def _data_lines(ax):
+    """The lines that draw data (not legend-only entries, not the break-even reference)."""
+    return [ln for ln in ax.get_lines() if len(ln.get_xdata()) and ln.get_gid() != "reference"]
+
+
+def test_every_axes_has_lines_and_every_line_lies_inside_its_axes(figures):
+    for name, fig in figures.items():
+        assert fig is not None, name
+        for ax in fig.axes:
+            lines = _data_lines(ax)
+            assert lines, f"{name}: an empty axes"
+            (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+            for ln in lines:
+                assert all(x0 < x < x1 for x in ln.get_xdata()) and all(y0 < y < y1 for y in ln.get_ydata()), \
+                    f"{name}: {ln.get_label()} on or outside the frame"
+
+
+def test_autoregressive_only_jobs_draw_no_acceptance_or_speedup_panel(tmp_path):
+    runs = [_run(None, 4, c) for c in (1, 4)]
+    assert report.FIGURES["acceptance.png"](runs, "t") is None
+    assert report.FIGURES["speedup_k.png"](runs, "t") is None
+    written = report.write_figures(runs, tmp_path, "t")
+    assert written == ["throughput_latency.png"] and sorted(p.name for p in tmp_path.iterdir()) == written
+
+
+def test_one_autoregressive_baseline_per_job_context():
+    fig = report.FIGURES["throughput_latency.png"](SWEEP, "t")
+    baselines = [ln for ln in fig.axes[0].get_lines() if ln.get_label().startswith("autoregressive")]
+    assert len(baselines) == 1 and len(baselines[0].get_xdata()) == 2  # not one per drafter; both concurrencies
+    two_temperatures = SWEEP + [_run(d, 4, c, temperature=0.7) for d, c in itertools.product(("eagle3", "mtp"), (1, 4))]
+    fig = report.FIGURES["throughput_latency.png"](two_temperatures, "t")
+    labels = sorted(ln.get_label() for ln in fig.axes[0].get_lines() if ln.get_label().startswith("autoregressive"))
+    assert labels == ["autoregressive (T=0)", "autoregressive (T=0.7)"]
+    report.plt.close("all")
+
+
+def test_coinciding_series_stay_visible(figures):
+    """mtp and dflash have the same acceptance (all zero) and every method the same speedups: each
+    series has its own colour and marker, and no two series draw the same points."""
+    for name in ("throughput_latency.png", "acceptance.png", "speedup_k.png"):
+        lines = [ln for ln in _data_lines(figures[name].axes[0]) if ln.get_gid() in (None, "speedup")]
+        styles = [(to_rgba(ln.get_color()), ln.get_marker()) for ln in lines]
+        assert len(set(styles)) == len(styles), (name, styles)
+        points = [tuple(zip(ln.get_xdata(), ln.get_ydata())) for ln in lines]
+        if name == "throughput_latency.png":  # measured points, not shared x values: concentric markers
+            drawn = [(pts, ln.get_markersize()) for pts, ln in zip(points, lines)]
+            assert len(set(drawn)) == len(drawn) and len(set(points)) < len(points), drawn
+        else:
+            assert len(set(points)) == len(points), f"{name}: a line drawn exactly on another"
+
+
+def test_predicted_markers_are_visible_and_in_the_legend(figures):
+    ax = figures["speedup_k.png"].axes[0]
+    predicted = [ln for ln in _data_lines(ax) if ln.get_gid() == "predicted_speedup"]
+    measured = [ln for ln in _data_lines(ax) if ln.get_gid() == "speedup"]
+    assert len(predicted) == len(measured) == 6  # 3 drafters x 2 concurrencies
+    for p, m in zip(predicted, measured):
+        assert p.get_marker() not in ("None", "", " ", None) and p.get_markersize() > m.get_markersize()
+        assert p.get_markerfacecolor() == "none" and p.get_markeredgewidth() >= 1.5  # hollow: the measured shows through
+        assert p.get_visible() and (p.get_alpha() or 1.0) == 1.0 and p.get_zorder() > m.get_zorder()
+    assert "predicted (acceptance, costs)" in ax.get_legend_handles_labels()[1]
