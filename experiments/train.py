@@ -4,6 +4,7 @@
     .venv/bin/python experiments/train.py --config-name smollm2_dflash optim.steps=500 threads=2
     .venv/bin/python experiments/train.py --config-name smollm2_eagle3 optim.stop_after=100   # a first part ...
     .venv/bin/python experiments/train.py --config-name smollm2_eagle3 resume=true            # ... continued
+    .venv/bin/accelerate launch experiments/train.py --config-name smollm2_eagle3          # one process per GPU
 
 Configs (``conf/train/``): ``smollm2_eagle3``, ``smollm2_dflash``, ``smollm2_dspark``,
 ``smollm2_gemma_mtp``, ``smollm2_mtp`` (post-hoc MTP module for SmolLM2) and ``tiny_deepseek_v3_mtp``
@@ -14,7 +15,8 @@ The checkpoint goes to ``out`` with ``training.json`` (git revision, this comman
 config, training tokens, wall time, held-out figures); the resumable state and Hydra's log go to
 ``work`` (``outputs/train/<config>``).
 
-Run it by path from the repository root, never with ``python -m`` (see the README).
+Run it by path from the repository root, never with ``python -m`` (see the README). The same
+config runs on one CPU, one GPU or several (``docs/training.md``, "One CPU, one GPU, several").
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The one trainer: its schedule, bit-identical resumption, the one data pipeline and held-out rule,
 every recipe end to end on tiny targets (two steps, a checkpoint the drafter's own ``create()``
-loads), the metadata file, the Hydra configs and entry point, and (slow) self-distillation on SmolLM2.
+loads), the metadata file, the Hydra configs and entry point, two data-parallel processes (the same
+weights as one, resumable bit-identically), and (slow) self-distillation on SmolLM2.
 
 The training-equals-inference checks of each loss live beside their drafters' tests
 (``test_eagle3.py``: TTT steps equal chain drafting; ``test_dflash.py``: training blocks equal the
@@ -16,20 +17,28 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
+from accelerate import PartialState, debug_launcher
+from accelerate.state import AcceleratorState
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 import specdec
 from specdec.drafters import DRAFTERS
+from specdec.drafters.mtp.train import PostHocMTPRecipe
 from specdec.eval.config import DatasetConfig
 from specdec.eval.datasets import load_dataset
 from specdec.loop import Request, run
 from specdec.target import Target
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 from specdec.testing.tiny import tiny_model
+from specdec.training import trainer
 from specdec.training.config import DataConfig, OptimConfig, TrainConfig
 from specdec.training.data import (
+    Batch,
     HELD_OUT,
     TokenSeq,
     held_out,
@@ -77,10 +86,11 @@ def tiny_target() -> Target:
     return Target(tiny_model("llama", vocab_size=V, init_scale=0.3, seed=0))
 
 
-def random_data(path: Path, n: int = 24, seed: int = 0) -> Path:
-    """``n`` sequences of random tokens with a 5-token prompt each, stored as a data set file."""
+def random_data(path: Path, n: int = 24, seed: int = 0, length: int | None = None) -> Path:
+    """``n`` sequences of random tokens (``length`` each, else 12 to 23) with a 5-token prompt each,
+    stored as a data set file."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(12, 24, (n,), generator=g).tolist()
+    lengths = torch.randint(12, 24, (n,), generator=g).tolist() if length is None else [length] * n
     save_sequences(path, [TokenSeq(torch.randint(0, V - 1, (t,), generator=g), 5) for t in lengths])
     return path
 
@@ -351,6 +361,87 @@ def test_entry_point_trains_and_records_its_command(tmp_path):
     assert record.config["target"]["model"] == "tiny" and record.steps == 2
     assert (tmp_path / "work" / "train.log").exists()  # Hydra's log beside the resumable state
     assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
+
+
+# --- several processes -----------------------------------------------------------------------------------
+
+class SeenMTP(PostHocMTPRecipe):
+    """The post-hoc MTP recipe (it draws nothing at random), remembering the training sequences it saw."""
+
+    seen: ClassVar[list[list[int]]] = []
+
+    def loss(self, model: torch.nn.Module, batch: Batch, gen: torch.Generator):
+        if model.training:
+            SeenMTP.seen += batch.tokens.tolist()
+        return super().loss(model, batch, gen)
+
+
+def _launched(cfgs: list[TrainConfig], target: Target, folder: Path) -> None:
+    """What each launched process runs: train every config in turn, then leave in ``folder`` the
+    weights of each run and what the process saw and wrote."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked from a process that trained alone
+    SeenMTP.seen, wrote = [], []
+
+    def spy(name, fn):
+        return lambda *a, **k: wrote.append(name) or fn(*a, **k)
+
+    trainer.save_file = spy(STATE_FILE, trainer.save_file)  # the forked process's own modules: nothing leaks back
+    TrainingRecord.write = spy(RECORD_FILE, TrainingRecord.write)
+    SeenMTP.save = spy("checkpoint", SeenMTP.save)
+    for i, cfg in enumerate(cfgs):
+        weights = train(cfg, target=target).model.state_dict()
+        save_file(weights, str(folder / f"{i}-{PartialState().process_index}.safetensors"))
+    (folder / f"{PartialState().process_index}.json").write_text(json.dumps({"seen": SeenMTP.seen, "wrote": wrote}))
+
+
+def test_two_processes_train_as_one_process_on_the_same_global_batches(tiny_target, tmp_path, cache):
+    """``accelerate launch`` with two processes, here accelerate's debug launcher (two forked CPU
+    processes, gloo): each trains on its own half of every batch and DDP averages the gradients,
+    so the weights are a single process's on the same batches (this recipe draws nothing at random
+    and every half holds as many label tokens); only the main process writes files."""
+    data = DataConfig(path=str(random_data(tmp_path / "d.safetensors", n=16, length=16)), held_out_every=4,
+                      feature_dtype="float32")
+
+    def config(name: str) -> TrainConfig:
+        return TrainConfig(recipe=f"{__name__}.SeenMTP", options=dict(depth=2), data=data, out=str(tmp_path / name),
+                           work=str(tmp_path / f"{name}-work"), optim=OptimConfig(steps=3, batch=4, lr=5e-3),
+                           save_every=1, log_every=1, progress=False)
+
+    SeenMTP.seen = []
+    alone = train(config("one"), target=tiny_target)
+    debug_launcher(_launched, ([config("two")], tiny_target, tmp_path), num_processes=2)
+    procs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+
+    halves = [p["seen"] for p in procs]  # per process: 2 sequences a step
+    assert not {tuple(t) for t in halves[0]} & {tuple(t) for t in halves[1]}
+    assert [t for s in range(3) for h in halves for t in h[2 * s: 2 * s + 2]] == SeenMTP.seen  # the same batches
+    assert procs[0]["wrote"] == [STATE_FILE, STATE_FILE, "checkpoint", RECORD_FILE] and procs[1]["wrote"] == []
+    with safe_open(str(tmp_path / "two-work" / STATE_FILE), framework="pt") as f:
+        assert {"rng.gen", "rng.torch", "rng.gen.1", "rng.torch.1"} <= set(f.keys())  # each process's draws
+
+    weights = [load_file(str(tmp_path / f"0-{r}.safetensors")) for r in (0, 1)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # the processes stay in step
+    for k, v in alone.model.state_dict().items():
+        torch.testing.assert_close(weights[0][k], v, rtol=1e-4, atol=1e-6)
+    two = TrainingRecord.read(tmp_path / "two")
+    assert (two.steps, two.tokens, two.response_tokens) == (3, alone.record.tokens, alone.record.response_tokens)
+    assert two.versions["processes"] == "2" and alone.record.versions["processes"] == "1"
+    assert two.held_out["accept"] == pytest.approx(alone.record.held_out["accept"], abs=1e-3)
+
+
+def test_two_processes_resume_bit_identical(tiny_target, tmp_path, cache):
+    """Each process's random states are in the resumable state: two processes stopped after 2 of 4
+    steps and resumed end where two that never stopped end (EAGLE-3 draws its anchors at random)."""
+    optim = dict(steps=4, batch=4, accumulate=2, lr=5e-3)
+    whole = tiny_config(tmp_path / "a", "eagle3", optim=OptimConfig(**optim))
+    part = tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**optim, stop_after=2))
+    resumed = tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**optim), resume=True)
+    debug_launcher(_launched, ([whole, part, resumed], tiny_target, tmp_path), num_processes=2)
+    for r in (0, 1):
+        a, b = (load_file(str(tmp_path / f"{i}-{r}.safetensors")) for i in (0, 2))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = TrainingRecord.read(whole.out), TrainingRecord.read(resumed.out)
+    assert (ra.steps, ra.tokens, ra.held_out) == (rb.steps, rb.tokens, rb.held_out) and len(rb.parts) == 2
 
 
 # --- slow: the real target -----------------------------------------------------------------------------

@@ -7,9 +7,15 @@
 - **Optimiser**: AdamW over the parameters that require grad; learning rate :func:`lr_at` (linear
   warm-up, then cosine down to ``min_lr · lr``), a pure function of the step; gradient-norm
   clipping; ``accumulate`` micro-batches per step; optional bf16 autocast around the loss.
+- **Devices**: an :class:`accelerate.Accelerator` places the model and the target, runs the bf16
+  autocast (``optim.bf16``) and the gradient accumulation, and data parallelism when launched with
+  ``accelerate launch``: ``optim.batch`` is the global micro-batch, each process trains on its own
+  slice of it and DDP averages the gradients, so a recipe runs on one CPU, one GPU or several
+  without edits. Only the main process logs and writes files.
 - **Resumable**: ``work/state.safetensors`` holds the model, the AdamW moments, the step, the
-  counters and both random states (the run's generator and torch's global one); safetensors only,
-  nothing is ever pickled. A run resumed from it ends bit-identical to one that never stopped.
+  counters and both random states of every process (its generator and torch's global one);
+  safetensors only, nothing is ever pickled. A run resumed from it with as many processes ends
+  bit-identical to one that never stopped.
 - **Held-out figures**: the recipe's loss and metrics on the held-out sequences every
   ``eval_every`` steps and at the last step, with a generator of their own (evaluating never
   changes what training draws).
@@ -30,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -38,13 +46,14 @@ from tqdm import tqdm
 from specdec.provenance import command_line, git_dirty, git_sha, versions
 from specdec.target import Target
 from specdec.training.config import TrainConfig
-from specdec.training.data import TrainData, load_data
+from specdec.training.data import Batch, TrainData, load_data
 from specdec.training.recipe import Metric, Recipe, StepOutput, load_recipe
 
 __all__ = ["lr_at", "train", "TrainResult", "TrainingRecord", "RECORD_FILE", "STATE_FILE"]
 
 RECORD_FILE = "training.json"
 STATE_FILE = "state.safetensors"
+_PROCESS_SEED = 1_000_003  # process p's generator is seeded seed + p·this (p = 0: the single-process run's)
 log = logging.getLogger(__name__)
 
 
@@ -126,8 +135,25 @@ def _figures(out: StepOutput) -> dict[str, Metric]:
     return {"loss": float(out.loss.detach()), **out.metrics}
 
 
-def _autocast(cfg: TrainConfig, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.optim.bf16)
+class _Loss(nn.Module):
+    """The recipe's loss as the module accelerate prepares: under DDP one forward per backward,
+    whatever the recipe calls on its model (its hooks then average the gradients of everything used)."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module):
+        super().__init__()
+        self.recipe, self.model = recipe, model
+
+    def forward(self, batch: Batch, gen: torch.Generator) -> StepOutput:
+        return self.recipe.loss(self.model, batch, gen)
+
+
+def _across(acc: Accelerator, values: dict[str, Metric], how: str) -> dict[str, Metric]:
+    """``values`` reduced (``how``: "sum" or "mean") over the processes, each of which saw its own
+    slice of the batch; as they are in a single process."""
+    if acc.num_processes == 1:
+        return values
+    out = acc.reduce({k: torch.tensor(v, dtype=torch.float64, device=acc.device) for k, v in values.items()}, how)
+    return {k: v.tolist() for k, v in out.items()}
 
 
 def _resumable(cfg: TrainConfig) -> dict[str, Any]:
@@ -137,14 +163,25 @@ def _resumable(cfg: TrainConfig) -> dict[str, Any]:
     return {k: d[k] for k in ("recipe", "options", "target", "data", "optim", "seed")}
 
 
-def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+def _rng_keys(process: int) -> tuple[str, str]:
+    """Where a process's random states are stored (the first process's keys predate several processes)."""
+    suffix = f".{process}" if process else ""
+    return f"rng.gen{suffix}", f"rng.torch{suffix}"
+
+
+def _save_state(path: Path, acc: Accelerator, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
                 progress: _Progress, cfg: TrainConfig) -> None:
-    """Model, AdamW moments, both random states and the progress, as one safetensors file."""
+    """Model, AdamW moments, every process's random states and the progress, as one safetensors
+    file written by the main process (every process calls it: the random states are gathered)."""
+    rng = acc.gather(torch.stack([gen.get_state(), torch.get_rng_state()]).to(acc.device)).cpu()  # [2·P, S]
+    if not acc.is_main_process:
+        return
     tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     for i, st in opt.state_dict()["state"].items():
         for key, val in st.items():
             tensors[f"opt.{i}.{key}"] = torch.as_tensor(val).clone().contiguous()
-    tensors["rng.gen"], tensors["rng.torch"] = gen.get_state(), torch.get_rng_state()
+    for p in range(acc.num_processes):
+        tensors.update(zip(_rng_keys(p), rng[2 * p: 2 * p + 2].clone()))
     meta = {"progress": json.dumps(asdict(progress)), "config": json.dumps(_resumable(cfg))}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -152,9 +189,9 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: t
     tmp.replace(path)  # an interrupted save leaves the previous state whole
 
 
-def _load_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+def _load_state(path: Path, acc: Accelerator, model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
                 cfg: TrainConfig) -> _Progress:
-    """Restore what :func:`_save_state` wrote into ``model``, ``opt`` and ``gen``."""
+    """Restore what :func:`_save_state` wrote into ``model``, ``opt`` and this process's ``gen``."""
     if not path.exists():
         raise FileNotFoundError(f"no training state to resume at {path} (set work to the earlier run's)")
     with safe_open(str(path), framework="pt") as f:
@@ -171,21 +208,28 @@ def _load_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, gen: t
             state.setdefault(int(i), {})[key] = v
     sd["state"] = state
     opt.load_state_dict(sd)
-    gen.set_state(data["rng.gen"])
-    torch.set_rng_state(data["rng.torch"])
+    saved = sum(k.startswith("rng.gen") for k in data)
+    if saved != acc.num_processes and acc.is_main_process:
+        log.warning("%s was saved by %d processes, resumed by %d: the random draws differ from an uninterrupted run",
+                    path, saved, acc.num_processes)
+    keys = _rng_keys(acc.process_index)
+    if keys[0] in data:  # a process the saved run did not have keeps its own seed
+        gen.set_state(data[keys[0]])
+        torch.set_rng_state(data[keys[1]])
     return _Progress(**json.loads(meta["progress"]))
 
 
 @torch.no_grad()
-def evaluate(recipe: Recipe, model: nn.Module, data: TrainData, cfg: TrainConfig, device: torch.device
+def evaluate(recipe: Recipe, model: nn.Module, data: TrainData, cfg: TrainConfig, acc: Accelerator
              ) -> dict[str, Metric]:
-    """The recipe's figures on the held-out sequences (own generator; the model is left in train mode)."""
-    batches = [b.to(device) for b in data.scan("held", cfg.optim.batch, cfg.eval_sequences)]
+    """The recipe's figures on the held-out sequences (own generator; the model is left in train mode).
+    Every process computes them all, the same in each (the held-out set is small; no process waits)."""
+    batches = [b.to(acc.device) for b in data.scan("held", cfg.optim.batch, cfg.eval_sequences)]
     if not batches:
         return {}
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     model.eval()
-    with _autocast(cfg, device):
+    with acc.autocast():
         figures = [_figures(recipe.loss(model, b, gen)) for b in batches]
     model.train()
     return _mean(figures)
@@ -202,42 +246,52 @@ def _build_target(cfg: TrainConfig) -> Target | None:
 def train(cfg: TrainConfig, command: str | None = None, target: Target | None = None) -> TrainResult:
     """Run (or resume) ``cfg``; write the checkpoint and ``training.json`` to ``cfg.out``.
 
-    ``target`` overrides ``cfg.target`` (tests pass a tiny one); it is frozen, and cast to
-    ``data.feature_dtype`` once the data is made.
+    ``target`` overrides ``cfg.target`` (tests pass a tiny one); it is frozen, moved to the
+    accelerator's device and cast to ``data.feature_dtype`` once the data is made. Under
+    ``accelerate launch`` every process runs this and returns the same model and record.
     """
     start = time.time()
+    o = cfg.optim
+    AcceleratorState._reset_state()  # the precision is per run (one process may run several, tests do)
+    acc = Accelerator(mixed_precision="bf16" if o.bf16 else "no", gradient_accumulation_steps=o.accumulate)
+    if o.batch % acc.num_processes:
+        raise ValueError(f"optim.batch={o.batch} is the global micro-batch: it must split evenly over "
+                         f"{acc.num_processes} processes")
     torch.set_num_threads(cfg.threads)
     command = command or command_line()
     recipe = load_recipe(cfg.recipe, cfg.options)
     target = target if target is not None else _build_target(cfg)
     if target is not None:
-        target.model.requires_grad_(False)
+        target.model.requires_grad_(False).to(acc.device)
     key = recipe.feature_key(target) if target is not None else None
     featurize = (lambda tokens: recipe.featurize(target, tokens)) if key is not None else None
-    show = sys.stdout.isatty() if cfg.progress is None else cfg.progress
-    data = load_data(cfg.data, target, featurize, key, show)
-    device = target.device if target is not None else torch.device("cpu")
+    show = (sys.stdout.isatty() if cfg.progress is None else cfg.progress) and acc.is_main_process
+    with acc.main_process_first():  # the main process makes the caches (distilled data, features) the others read
+        data = load_data(cfg.data, target, featurize, key, show)
 
     torch.manual_seed(cfg.seed)
-    model = recipe.build(target, data).to(device)
+    model = recipe.build(target, data).to(acc.device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    o = cfg.optim
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    step_loss, opt = acc.prepare(_Loss(recipe, model), opt)
+    gen = torch.Generator().manual_seed(cfg.seed + _PROCESS_SEED * acc.process_index)
     state_path = Path(cfg.work) / STATE_FILE
-    progress = _load_state(state_path, model, opt, gen, cfg) if cfg.resume else _Progress()
+    progress = _load_state(state_path, acc, model, opt, gen, cfg) if cfg.resume else _Progress()
     first, wall_before = progress.step, progress.wall_seconds
 
     def save_state() -> None:
         progress.wall_seconds = round(wall_before + time.time() - start, 1)
-        _save_state(state_path, model, opt, gen, progress, cfg)
+        _save_state(state_path, acc, model, opt, gen, progress, cfg)
 
     stop = o.stop_after or o.steps
-    log.info("%s: %.2fM trainable parameters, %d training / %d held-out sequences; steps %d..%d of %d",
-             cfg.recipe.rpartition(".")[2], sum(p.numel() for p in params) / 1e6, len(data.train), len(data.held),
-             first, stop, o.steps)
+    if acc.is_main_process:
+        log.info("%s: %.2fM trainable parameters, %d training / %d held-out sequences; steps %d..%d of %d on %d %s "
+                 "process(es)", cfg.recipe.rpartition(".")[2], sum(p.numel() for p in params) / 1e6, len(data.train),
+                 len(data.held), first, stop, o.steps, acc.num_processes, acc.device.type)
 
+    share = o.batch // acc.num_processes
+    mine = slice(acc.process_index * share, (acc.process_index + 1) * share)  # this process's slice of each batch
     bar = tqdm(range(first, stop), initial=first, total=stop, desc="train", disable=not show, mininterval=2)
     t_loop, held = time.time(), {}
     for step in bar:
@@ -245,37 +299,42 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        figures = []
+        figures, tokens, response_tokens = [], 0, 0
         for m in range(o.accumulate):
-            idx = data.indices((step * o.accumulate + m) * o.batch, o.batch, cfg.seed)
-            batch = data.batch([data.train[i] for i in idx]).to(device)
-            with _autocast(cfg, device):
-                out = recipe.loss(model, batch, gen)
-            (out.loss / o.accumulate).backward()
-            progress.tokens += batch.num_tokens
-            progress.response_tokens += batch.num_response_tokens
+            idx = data.indices((step * o.accumulate + m) * o.batch, o.batch, cfg.seed)[mine]
+            batch = data.batch([data.train[i] for i in idx]).to(acc.device)
+            with acc.accumulate(step_loss):  # gradients are averaged over the processes at the last micro-batch
+                out = step_loss(batch, gen)
+                acc.backward(out.loss)  # divides by `accumulate`
+            tokens += batch.num_tokens
+            response_tokens += batch.num_response_tokens
             figures.append(_figures(out))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.clip))
+        grad_norm = float(acc.clip_grad_norm_(params, o.clip))
         opt.step()
+        counts = _across(acc, {"tokens": tokens, "response_tokens": response_tokens}, "sum")
+        progress.tokens += int(counts["tokens"])
+        progress.response_tokens += int(counts["response_tokens"])
         progress.step = step + 1
-        now = _mean(figures)
+        now = _across(acc, _mean(figures), "mean")
         bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else " ".join(f"{x:.2f}" for x in v))
                          for k, v in now.items()})
         if progress.step % cfg.log_every == 0 or progress.step == stop:
             progress.log.append({"step": progress.step, "tokens": progress.tokens, "lr": lr, "grad_norm": grad_norm,
                                  **now})
-            log.info("step %d: %s", progress.step, json.dumps(now))
+            if acc.is_main_process:
+                log.info("step %d: %s", progress.step, json.dumps(now))
         if progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0):
-            held = evaluate(recipe, model, data, cfg, device)
+            held = evaluate(recipe, model, data, cfg, acc)
             progress.log.append({"step": progress.step, "tokens": progress.tokens,
                                  "response_tokens": progress.response_tokens,
                                  "seconds": round(wall_before + time.time() - start, 1), "held_out": held})
-            log.info("step %d held-out: %s", progress.step, json.dumps(held))
+            if acc.is_main_process:
+                log.info("step %d held-out: %s", progress.step, json.dumps(held))
         if cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < stop:
             save_state()
     bar.close()
     if first == stop:  # resumed at the end: nothing left to train
-        held = evaluate(recipe, model, data, cfg, device)
+        held = evaluate(recipe, model, data, cfg, acc)
     progress.parts.append({"command": command, "revision": git_sha(), "steps": [first, stop],
                            "loop_seconds": round(time.time() - t_loop, 1)})
     if stop < o.steps:  # stopped early on purpose: keep what a resumed run needs
@@ -283,14 +342,18 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
 
     extra = recipe.finish(model, data, torch.Generator().manual_seed(cfg.seed + 2))
     out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    recipe.save(model, out_dir)
+    if acc.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        recipe.save(model, out_dir)
     record = TrainingRecord(
         revision=git_sha(), dirty=git_dirty(), command=command, config=asdict(cfg), steps=progress.step,
         tokens=progress.tokens, response_tokens=progress.response_tokens,
         wall_seconds=round(wall_before + time.time() - start, 1),
         held_out=held, extra=extra, log=progress.log, parts=progress.parts if len(progress.parts) > 1 else [],
-        versions={**versions(), "torch_threads": str(cfg.threads)})
-    record.write(out_dir)
-    log.info("saved %s", out_dir)
+        versions={**versions(), "torch_threads": str(cfg.threads), "processes": str(acc.num_processes),
+                  "device": acc.device.type})
+    if acc.is_main_process:
+        record.write(out_dir)
+        log.info("saved %s", out_dir)
+    acc.wait_for_everyone()  # every process returns once the checkpoint is written
     return TrainResult(model, record, out_dir)
