@@ -98,8 +98,8 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
 
     assert [b["threads"] for b in res["bandwidth"]] == rc.threads
     assert all(_positive(b["copy_gb_s"]) and _positive(b["triad_gb_s"]) for b in res["bandwidth"])
-    assert {(p["dtype"], p["threads"]) for p in res["matmul"]} == {(d, t) for d in rc.dtypes for t in rc.threads}
-    assert all(_positive(p["gflop_s"]) for p in res["matmul"])
+    assert {(p["dtype"], p["threads"]) for p in res["compute"]} == {(d, t) for d in rc.dtypes for t in rc.threads}
+    assert all(_positive(p["gflop_s"]) for p in res["compute"])
 
     # every point of the grid is timed or listed as skipped (a tree needs m >= 3)
     grid = {(i, d, t, b, k, m) for i in rc.impls for d in rc.dtypes for t in rc.threads for b in rc.batches

@@ -121,7 +121,7 @@ class RooflineConfig:
     context_new_tokens: list[int] = field(default_factory=lambda: [1, 5])  # m of the context sweep
     speedup_contexts: list[int] = field(default_factory=lambda: [128, 1024, 4096])  # the run's methods at these
     stream_mib: int = 0  # MiB per STREAM array; 0: four times the last-level cache, at least 64
-    gemm_size: int = 1024  # n of the n x n x n matmul that measures peak FLOP/s
+    linear_size: int = 1024  # n of the n x n by n x n F.linear that measures peak FLOP/s
     seed: int = 0  # token ids of the timed forwards (their values do not change the time)
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class RooflineConfig:
         sizes = {"batches": self.batches, "threads": self.threads, "new_tokens": self.new_tokens,
                  "contexts": self.contexts, "context_new_tokens": self.context_new_tokens,
                  "speedup_contexts": self.speedup_contexts, "context": [self.context], "reps": [self.reps],
-                 "gemm_size": [self.gemm_size]}
+                 "linear_size": [self.linear_size]}
         for name, xs in sizes.items():
             if any(x < 1 for x in xs):
                 raise ValueError(f"roofline.{name} must be >= 1, got {xs}")
