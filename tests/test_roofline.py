@@ -30,8 +30,7 @@ def test_a_tree_of_m_nodes_is_a_binary_heap():
     assert tree_parents(1) == [-1] and tree_parents(6) == [-1, 0, 0, 1, 1, 2]
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_library_and_transformers_forwards_agree_and_go_back_to_the_context(target, tree):
+def _forwards_agree(target, tree: bool, tol: float) -> None:
     gen = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (2, 7), generator=gen)
     tokens = torch.randint(0, target.vocab_size, (2, 6), generator=gen)
@@ -43,7 +42,18 @@ def test_library_and_transformers_forwards_agree_and_go_back_to_the_context(targ
                 logits.append(fwd.call(tokens, parents)().logits.float())
                 fwd.drop(tokens)
     for other in logits[1:]:
-        torch.testing.assert_close(other, logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(other, logits[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_library_and_transformers_forwards_agree_and_go_back_to_the_context(target, tree):
+    _forwards_agree(target, tree, 1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", [False, True])
+def test_on_smollm2_the_two_timed_forwards_compute_the_same_logits(smollm2, tree):
+    _forwards_agree(smollm2, tree, 1e-4)
 
 
 def test_the_cost_model_counts_weights_kv_and_flops(target):

@@ -102,7 +102,7 @@ def _context_figure(result: dict[str, Any], path: Path) -> None:
                         label=f"{impl} m={m}")
         for m in sorted({r["m"] for r in ctx if "roofline_s" in r}):
             pts = sorted({(r["context"], r["roofline_s"] * 1e3) for r in ctx if r["m"] == m and "roofline_s" in r})
-            ax.plot(*zip(*pts), ":" if m == 1 else "-.", color="black", label=f"roofline m={m}")
+            ax.plot(*zip(*pts), ":" if m == 1 else "-.", marker="x", ms=3, color="black", label=f"roofline m={m}")
         ax.set_ylabel("ms per forward")
         ax.set_title("step time", fontsize=9)
     if "memory" in axes:
@@ -110,12 +110,12 @@ def _context_figure(result: dict[str, Any], path: Path) -> None:
         first = {(r["impl"], r["context"]): r for r in ctx}  # memory is per (impl, context)
         for impl in sorted({i for i, _ in first}):
             pts = sorted((c, r) for (i, c), r in first.items() if i == impl)
-            ax.plot([c for c, _ in pts], [r["prefill_peak_mib"] for _, r in pts], "--", marker="o", ms=3,
+            ax.plot([c for c, _ in pts], [r["prefill_peak_mib"] for _, r in pts], "--", marker="s", ms=3,
                     color=COLORS.get(impl), label=f"{impl} prefill peak")
             ax.plot([c for c, _ in pts], [r["decode_peak_mib"] for _, r in pts], "-", marker="o", ms=3,
                     color=COLORS.get(impl), label=f"{impl} decode peak")
         kv = sorted({(c, r["kv_mib"]) for (_, c), r in first.items()})
-        ax.plot(*zip(*kv), ":", color="black", label="KV cache (model)")
+        ax.plot(*zip(*kv), ":", marker="x", ms=3, color="black", label="KV cache (model)")
         ax.set_ylabel("peak MiB above the memory before prefill")
         ax.set_title(f"peak memory ({ctx[0]['memory']})", fontsize=9)
     if "speedup" in axes:
