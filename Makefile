@@ -11,8 +11,10 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 # The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
 BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp
+# mode: roofline presets (docs/roofline.md): one run each, its own tables and figures
+ROOFLINES := roofline roofline-tiny
 
-.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES))
+.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES) $(ROOFLINES))
 
 setup: $(VENV)/.installed
 
@@ -45,6 +47,10 @@ test-slow: setup
 $(addprefix bench-,$(BENCHES)): bench-%: setup
 	$(PY) experiments/run.py --config-name bench_$(subst -,_,$*) -m
 	$(PY) experiments/report.py multirun/bench_$(subst -,_,$*) --per-request
+
+# The roofline of the target forward (docs/roofline.md): roofline.md, roofline.json and figures in outputs/bench_<name>/
+$(addprefix bench-,$(ROOFLINES)): bench-%: setup
+	$(PY) experiments/run.py --config-name bench_$(subst -,_,$*)
 
 # The sweep behind docs/results.md, then its figures and report (in multirun/smollm2_ngram_sweep/)
 sweep-ngram: setup

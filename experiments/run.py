@@ -5,6 +5,7 @@
     .venv/bin/python experiments/run.py -m num_speculative_tokens=2,4,8 concurrency=1,2,4,8
     .venv/bin/python experiments/run.py target=tiny dataset=random dataset.num_prompts=4   # seconds
     .venv/bin/python experiments/run.py --config-name bench_eagle3 -m       # a preset: conf/<preset>.yaml
+    .venv/bin/python experiments/run.py --config-name bench_roofline        # mode: roofline (docs/roofline.md)
 
 Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
 ``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose
@@ -13,6 +14,8 @@ onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), whic
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
 ``config.yaml`` (resolved), ``config.json`` (the same plus git SHA and versions), ``requests.jsonl``,
 ``summary.json`` and ``summary.md``. Plots and a report of a sweep: ``experiments/report.py``.
+``mode: roofline`` runs :func:`specdec.eval.roofline.run_roofline` instead, which writes ``roofline.json``,
+``roofline.md`` and its figures beside ``config.json``.
 
 Run it by path from the repository root, never with ``python -m`` (see the README).
 """
@@ -28,6 +31,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from specdec.eval.roofline import run_roofline
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig, check_keys
 
@@ -63,8 +67,12 @@ def main(cfg: DictConfig) -> None:
     run_cfg = to_run_config(cfg)
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    run_experiment(run_cfg, out_dir=out)
-    log.info("\n%s", (out / "summary.md").read_text())
+    if run_cfg.mode == "roofline":
+        run_roofline(run_cfg, out_dir=out)
+        log.info("\n%s", (out / "roofline.md").read_text())
+    else:
+        run_experiment(run_cfg, out_dir=out)
+        log.info("\n%s", (out / "summary.md").read_text())
     log.info("outputs in %s", out)
 
 

@@ -142,5 +142,8 @@ def test_stdlib_prompts_are_held_out_code_cut_to_input_len():
     stems = [s.id.split("-")[1] for s in samples]
     assert set(stems) == held and not set(stems) & train
     assert samples[0].id != samples[len(held)].id  # the second round of files starts further in
+    longest = max(len(f.read_bytes()) for f in stdlib_files("heldout"))
+    long = load_dataset(DatasetConfig(name="stdlib", num_prompts=1, input_len=longest + 1, output_len=8), Bytes())
+    assert len(long[0].prompt_ids) == longest + 1  # longer than any file: filled from the next files
     with pytest.raises(ValueError, match="tokenizer"):
         load_dataset(DatasetConfig(name="stdlib", num_prompts=1))

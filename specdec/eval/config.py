@@ -15,8 +15,12 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 from specdec.sampling import SamplingParams
 
-__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RunConfig",
-           "DATASETS", "HF_METHODS", "check_keys"]
+__all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RooflineConfig",
+           "RunConfig", "DATASETS", "HF_METHODS", "MODES", "check_keys"]
+
+# what a run does: "decode" runs the dataset through every method (specdec.eval.runner); "roofline"
+# times the target forward against this machine's limits (specdec.eval.roofline)
+MODES = ("decode", "roofline")
 
 DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
@@ -99,6 +103,46 @@ class MethodConfig:
 
 
 @dataclass
+class RooflineConfig:
+    """The grid of ``mode: roofline`` (:mod:`specdec.eval.roofline`). Each list is one axis; the
+    forward sweep runs their product, the context sweep batch 1 at the first thread count in the
+    target's dtype."""
+
+    impls: list[str] = field(default_factory=lambda: ["library", "transformers"])  # whose forward is timed
+    batches: list[int] = field(default_factory=lambda: [1, 4, 16])
+    threads: list[int] = field(default_factory=lambda: [1, 2])  # torch intra-op threads
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    new_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 5, 9, 17, 32])  # m: tokens in one forward
+    masks: list[str] = field(default_factory=lambda: ["chain", "tree"])  # tree: a binary tree of m nodes (m >= 3)
+    context: int = 128  # committed tokens before every timed forward of the m sweep
+    max_block_tokens: int = 0  # skip forwards of more than batch * m tokens (0: none); the skipped are listed
+    reps: int = 3  # forwards per point; the best is reported (the first pays any one-off cost)
+    contexts: list[int] = field(default_factory=lambda: [128, 1024, 2048, 4096, 8192])  # the context sweep
+    context_new_tokens: list[int] = field(default_factory=lambda: [1, 5])  # m of the context sweep
+    speedup_contexts: list[int] = field(default_factory=lambda: [128, 1024, 4096])  # the run's methods at these
+    stream_mib: int = 0  # MiB per STREAM array; 0: four times the last-level cache, at least 64
+    linear_size: int = 1024  # n of the n x n by n x n F.linear that measures peak FLOP/s
+    seed: int = 0  # token ids of the timed forwards (their values do not change the time)
+
+    def __post_init__(self) -> None:
+        if unknown := sorted(set(self.impls) - {"library", "transformers"}):
+            raise ValueError(f"roofline.impls must be library and/or transformers, got {unknown}")
+        if unknown := sorted(set(self.masks) - {"chain", "tree"}):
+            raise ValueError(f"roofline.masks must be chain and/or tree, got {unknown}")
+        if unknown := sorted(set(self.dtypes) - {"float32", "bfloat16", "float16"}):
+            raise ValueError(f"roofline.dtypes must be float32, bfloat16 or float16, got {unknown}")
+        sizes = {"batches": self.batches, "threads": self.threads, "new_tokens": self.new_tokens,
+                 "contexts": self.contexts, "context_new_tokens": self.context_new_tokens,
+                 "speedup_contexts": self.speedup_contexts, "context": [self.context], "reps": [self.reps],
+                 "linear_size": [self.linear_size]}
+        for name, xs in sizes.items():
+            if any(x < 1 for x in xs):
+                raise ValueError(f"roofline.{name} must be >= 1, got {xs}")
+        if 1 not in self.new_tokens:
+            raise ValueError("roofline.new_tokens needs m = 1: every ratio is t(m) / t(1)")
+
+
+@dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -113,8 +157,12 @@ class RunConfig:
     hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
     warmup: bool = True  # one short untimed run of every method first
     progress: bool = True  # tqdm bars
+    mode: str = "decode"  # one of MODES
+    roofline: RooflineConfig = field(default_factory=RooflineConfig)  # mode: roofline only
 
     def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.concurrency < 1:

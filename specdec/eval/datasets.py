@@ -163,7 +163,8 @@ def stdlib_files(split: str = "train", heldout_every: int = 20) -> list[Path]:
 def _stdlib(cfg: DatasetConfig, tokenizer) -> list[Sample]:
     """``num_prompts`` prompts of ``input_len`` token ids from the held-out standard-library files in
     turn (never seen by the recipes trained on the standard library), each cut at a line a third of
-    the way in (past the module docstring; the second round of files, two thirds)."""
+    the way in (past the module docstring; the second round of files, two thirds). A file too short
+    for ``input_len`` (long-context runs) goes on into the next held-out files, whole."""
     if tokenizer is None:
         raise ValueError("the stdlib dataset needs a target with a tokenizer (it cuts code into token ids)")
     files = stdlib_files("heldout")
@@ -172,8 +173,15 @@ def _stdlib(cfg: DatasetConfig, tokenizer) -> list[Sample]:
         f = files[i % len(files)]
         lines = f.read_text().splitlines(keepends=True)
         start = (len(lines) * (1 + i // len(files))) // 3
+        text = "".join(lines[start:])
+        ids = tokenizer.encode(text)
+        for j in range(1, len(files)):
+            if len(ids) >= cfg.input_len:
+                break
+            text += files[(i + j) % len(files)].read_text()
+            ids = tokenizer.encode(text)
         out.append(Sample(id=f"stdlib-{f.stem}-{start}", output_len=int(cfg.output_len or 0), category="code",
-                          prompt_ids=tokenizer.encode("".join(lines[start:]))[: cfg.input_len]))
+                          prompt_ids=ids[: cfg.input_len]))
     return out
 
 

@@ -52,7 +52,7 @@ from specdec.target import Target
 from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
-           "predicted_speedup", "summary_markdown", "lossy_mark", "git_sha"]
+           "predicted_speedup", "summary_markdown", "lossy_mark", "git_sha", "write_config"]
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -404,13 +404,18 @@ def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, in
 # ------------------------------------------------------------------------------------------------
 # output files
 
-def write_outputs(result: ExperimentResult, out: Path) -> None:
+def write_config(cfg: RunConfig, out: Path) -> None:
+    """``config.json``: what ran (the config, git SHA, versions, torch threads), in every run folder."""
     out.mkdir(parents=True, exist_ok=True)
     import transformers
 
-    meta = {"config": asdict(result.config), "git_sha": git_sha(), "torch": torch.__version__,
+    meta = {"config": asdict(cfg), "git_sha": git_sha(), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
     (out / "config.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+
+
+def write_outputs(result: ExperimentResult, out: Path) -> None:
+    write_config(result.config, out)
     with open(out / "requests.jsonl", "w") as f:
         for r in result.records:
             f.write(json.dumps(r) + "\n")
