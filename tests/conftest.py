@@ -56,13 +56,29 @@ CASES.update({
 })
 
 
+# Conformance targets: every case runs on the tiny Llama; every registered drafter's tiny case runs
+# on Gemma 4 too (per-layer head sizes, proportional RoPE, KV-shared layers, per-layer inputs). The
+# other tests that take ``target`` get the Llama.
+TARGETS = ("llama", "gemma4")
+TARGET_CASES = [("llama", c) for c in sorted(CASES)] + [("gemma4", f"{name}[tiny]") for name in sorted(DRAFTERS)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "drafter_case" in metafunc.fixturenames:
+        metafunc.parametrize(("target", "drafter_case"), TARGET_CASES, indirect=True,
+                             ids=[f"{t}-{c}" for t, c in TARGET_CASES])
+
+
 @pytest.fixture(scope="session")
-def target() -> Target:
-    """A tiny Llama with peaked distributions (so top-k and top-p cut something)."""
-    return Target(tiny_model("llama", vocab_size=VOCAB, init_scale=0.3, seed=0))
+def target(request) -> Target:
+    """A tiny target (Llama unless a case names another) with peaked distributions (so top-k and
+    top-p cut something)."""
+    family = getattr(request, "param", "llama")
+    assert family in TARGETS, family
+    return Target(tiny_model(family, vocab_size=VOCAB, init_scale=0.3, seed=0))
 
 
-@pytest.fixture(params=sorted(CASES))
+@pytest.fixture
 def drafter_case(request, target):
     return request.param, CASES[request.param](target)
 
