@@ -77,6 +77,13 @@ class StepCosts:
             if list(xs) != sorted(set(xs)) or min(xs) < 0 or min(ys) < 0:
                 raise ValueError(f"{name} sizes must be strictly ascending and times non-negative")
 
+    @classmethod
+    def linear(cls, per_token: float, fixed: float, draft: float) -> StepCosts:
+        """A synthetic table: a verify forward over ``n`` tokens costs ``fixed + per_token·n``
+        seconds, a draft pass ``draft`` whatever its rows (what-if studies, and tests that need
+        the scheduler to draft whatever this machine measures)."""
+        return cls([1, 2], [fixed + per_token, fixed + 2 * per_token], [1, 2], [draft, draft])
+
     def verify(self, tokens: float) -> float:
         return _interp([float(x) for x in self.verify_tokens], self.verify_s, float(tokens))
 

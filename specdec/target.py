@@ -14,10 +14,12 @@ last layer before the final norm. DFlash/DSpark name layers by their *output*; c
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +47,7 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int | None  # None: the layer keeps no per-head K/V a drafter can read (MLA)
     sliding_window: int | None
+    rope_parameters: dict[str, Any]  # this layer's RoPE, flat (Gemma 3/4 keep one per layer type)
     kv_shared: bool = False  # reads an earlier layer's K/V and stores none of its own (Gemma 4)
 
 
@@ -118,19 +121,35 @@ class Target:
 
     def layer_specs(self) -> list[LayerSpec]:
         """One :class:`LayerSpec` per decoder layer, read from the layer modules and config."""
-        tc = self.text_config
         specs = []
         for i, layer in enumerate(self.layers):
+            tc = self._layer_text_config(i)
             attn = getattr(layer, "self_attn", None)
-            readable = attn is not None and hasattr(attn, "head_dim") and hasattr(attn, "k_proj")
+            kv_shared = bool(getattr(attn, "is_kv_shared_layer", False))
+            readable = hasattr(attn, "head_dim") and (hasattr(attn, "k_proj") or kv_shared)  # not MLA
             layer_type = self.layer_types[i] if self.layer_types else "full_attention"
             specs.append(LayerSpec(
                 index=i, layer_type=layer_type, num_heads=int(tc.num_attention_heads),
                 num_kv_heads=int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads),
                 head_dim=int(attn.head_dim) if readable else None,
                 sliding_window=self.sliding_window if layer_type == "sliding_attention" else None,
-                kv_shared=bool(getattr(attn, "is_kv_shared_layer", False))))
+                rope_parameters=self._rope_parameters(layer_type),
+                kv_shared=kv_shared))
         return specs
+
+    def _layer_text_config(self, i: int):
+        """Layer ``i``'s own view of the text config: Gemma 4 overrides some fields per layer (the
+        full-attention layers' head size) and refuses to read those from the shared config."""
+        tc = self.text_config
+        return tc.per_layer_config[i] if getattr(tc, "is_heterogeneous", False) else tc
+
+    def _rope_parameters(self, layer_type: str) -> dict[str, Any]:
+        """The RoPE parameters of ``layer_type``'s layers, flat: Gemma 3/4 keep one dict per layer
+        type, which a config of another family (a draft layer's Llama config) would ignore."""
+        tc = self.text_config
+        rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default",
+                                                         "rope_theta": float(getattr(tc, "rope_theta", 1e4))}
+        return dict(rope.get(layer_type, rope))
 
     def final_norm_weight(self) -> Tensor:
         """The final norm's weight [D] (a drafter whose output feeds the target's LM head may start
@@ -151,11 +170,36 @@ class Target:
             return rotary_emb(x, positions, layer_type=layer_type)
         return rotary_emb(x, positions)
 
+    def layer_config(self, like: int, num_layers: int = 1):
+        """The target's text config for ``num_layers`` new decoder layers (:meth:`new_layer`), each
+        built like layer ``like`` (negative counts from the end): its type and per-layer overrides
+        (Gemma 4's global head size), dense or MoE as it is (DeepSeek-V3), each keeping its own K/V
+        (no KV sharing) and reading no per-layer input (Gemma 4's per-layer embeddings have no rows
+        for new layers). Its layers take :meth:`rotary` of ``like``'s layer type."""
+        like = range(self.num_layers)[like]
+        cfg = copy.deepcopy(self._layer_text_config(like))
+        cfg.num_hidden_layers = num_layers
+        for name in ("layer_types", "mlp_layer_types"):  # per-layer lists, indexed by the new layers' ids
+            if getattr(cfg, name, None):
+                setattr(cfg, name, [getattr(cfg, name)[like]] * num_layers)
+        if getattr(cfg, "first_k_dense_replace", None) is not None:  # DeepSeek-V3: the first layers are dense
+            cfg.first_k_dense_replace = num_layers if like < cfg.first_k_dense_replace else 0
+        if hasattr(cfg, "num_kv_shared_layers"):
+            cfg.num_kv_shared_layers = 0
+        if hasattr(cfg, "hidden_size_per_layer_input"):
+            cfg.hidden_size_per_layer_input = 0
+        return cfg
+
     def new_layer(self, config, layer_idx: int) -> nn.Module:
-        """A new decoder layer of the target's family built from ``config`` (MTP modules are the
-        target's own layer type), as its constructor leaves it: :meth:`init_weights` initialises it
-        (once, over the whole module tree that holds it). It takes :meth:`kv_cache` as its ``cache``."""
-        return type(self.layers[-1])(config, layer_idx)
+        """A new decoder layer of the target's family built from ``config`` (:meth:`layer_config`;
+        MTP modules are the target's own layer type), as its constructor leaves it: :meth:`init_weights`
+        initialises it (once, over the whole module tree that holds it). It takes :meth:`kv_cache` as
+        its ``cache``."""
+        layer = type(self.layers[-1])(config, layer_idx)
+        attn = getattr(layer, "self_attn", None)
+        if getattr(attn, "store_full_length_kv", False):  # Gemma 4 hands these K/V to KV-shared layers;
+            attn.store_full_length_kv = False  # a new layer has none, and its K/V live in its cache alone
+        return layer
 
     def new_norm(self, size: int, eps: float) -> nn.Module:
         """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...), as its

@@ -26,9 +26,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
 
 from specdec.drafters import DraftModelDrafter  # noqa: E402
+from specdec.scheduler import StepCosts  # noqa: E402
 from specdec.registry import DRAFTERS as REGISTRY  # noqa: E402
 from specdec.target import Target  # noqa: E402
-from specdec.testing import RandomDrafter  # noqa: E402
+from specdec.testing import RandomDrafter, Recording  # noqa: E402
 from specdec.testing.tiny import tiny_model  # noqa: E402
 
 VOCAB = 32
@@ -55,16 +56,54 @@ CASES.update({
     "random[tree,deterministic]": lambda t: RandomDrafter.create(t, siblings="deterministic", branching=[2, 2]),
 })
 
+# DSpark with its prefix scheduler, under cost tables that make it draft: with the table it profiles
+# on this CPU it drafts almost nothing, so the suite would never reach its drafting path. Verifying a
+# token costs 1e-4 of a forward's fixed cost (the Θ trade-off: the q-contract's 4000-row batch
+# verifies 2 of its 3 drafts, a 3-row batch all of them), or almost nothing with one budget of 1800
+# drafts for the batch (which binds at the χ² tests' 1000 rows). The fixture asserts after each
+# test that some step verified a draft.
+SCHEDULED = {
+    "dspark[scheduler,tradeoff]": dict(costs=StepCosts.linear(per_token=1e-4, fixed=1.0, draft=0.05), ragged=True),
+    "dspark[scheduler,budget]": dict(costs=StepCosts.linear(per_token=1e-5, fixed=1.0, draft=0.05), budget=1800,
+                                     ragged=True),
+}
+CASES.update({name: (lambda t, o=o: Recording(DRAFTERS["dspark"].tiny(t, scheduler=True, **o)))
+              for name, o in SCHEDULED.items()})
+# A scheduled case shares one verification budget across the batch, so a row's random stream (not
+# its distribution) depends on the other rows by design (docs/architecture.md): it is not generated
+# for the batch-independence test.
+BATCH_COUPLED = set(SCHEDULED)
+
+
+# Conformance targets: every case runs on the tiny Llama; every registered drafter's tiny case runs
+# on Gemma 4 too (per-layer head sizes, proportional RoPE, KV-shared layers, per-layer inputs). The
+# other tests that take ``target`` get the Llama.
+TARGETS = ("llama", "gemma4")
+TARGET_CASES = [("llama", c) for c in sorted(CASES)] + [("gemma4", f"{name}[tiny]") for name in sorted(DRAFTERS)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "drafter_case" in metafunc.fixturenames:
+        coupled = metafunc.function.__name__ == "test_rows_do_not_depend_on_their_batch"
+        pairs = [(t, c) for t, c in TARGET_CASES if not (coupled and c in BATCH_COUPLED)]
+        metafunc.parametrize(("target", "drafter_case"), pairs, indirect=True, ids=[f"{t}-{c}" for t, c in pairs])
+
 
 @pytest.fixture(scope="session")
-def target() -> Target:
-    """A tiny Llama with peaked distributions (so top-k and top-p cut something)."""
-    return Target(tiny_model("llama", vocab_size=VOCAB, init_scale=0.3, seed=0))
+def target(request) -> Target:
+    """A tiny target (Llama unless a case names another) with peaked distributions (so top-k and
+    top-p cut something)."""
+    family = getattr(request, "param", "llama")
+    assert family in TARGETS, family
+    return Target(tiny_model(family, vocab_size=VOCAB, init_scale=0.3, seed=0))
 
 
-@pytest.fixture(params=sorted(CASES))
+@pytest.fixture
 def drafter_case(request, target):
-    return request.param, CASES[request.param](target)
+    drafter = CASES[request.param](target)
+    yield request.param, drafter
+    if request.param in SCHEDULED:
+        assert any(bool((p.num_valid > 0).any()) for p in drafter.proposals), "the scheduler never verified a draft"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

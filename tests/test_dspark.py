@@ -118,8 +118,13 @@ def test_sequential_temperature_scaling_recovers_an_overconfident_head():
 
 
 def _linear_costs(per_token: float = 1.0, fixed: float = 4.0, draft: float = 0.5) -> StepCosts:
-    tokens = [1, 8, 64, 512]
-    return StepCosts(tokens, [fixed + per_token * n for n in tokens], [1, 64], [draft, draft])
+    return StepCosts.linear(per_token, fixed, draft)
+
+
+def test_linear_costs_extrapolate():
+    c = StepCosts.linear(per_token=0.5, fixed=4.0, draft=0.25)
+    assert c.verify(1) == pytest.approx(4.5) and c.verify(1000) == pytest.approx(504.0)
+    assert c.draft(1) == c.draft(4000) == pytest.approx(0.25)
 
 
 def test_schedule_bounds_budget_and_prefixes():
@@ -205,8 +210,8 @@ def test_bad_inputs_raise(target):
 
 def test_scheduler_is_lossless_sampled(target, monkeypatch):
     """χ² of sampled output with the prefix scheduler on: it only shortens what is verified, so the
-    output must still be distributed as the target's (the conformance suite leaves the scheduler
-    out because it couples a row's random stream to its batch, not its distribution)."""
+    output must still be distributed as the target's; here the shared budget also shortens drafts
+    (the conformance suite's scheduled cases check that some draft is verified)."""
     import specdec.drafters.dspark.drafter as dspark_module
     from specdec.testing import sampled_gof
     from specdec.verifiers import RejectionVerifier

@@ -64,9 +64,10 @@ def test_greedy_equals_target_on_deepseek_v3(ds_target, options):
         assert_greedy_equivalent(r.tokens, ref, logits)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma4"])
 def test_greedy_equals_target_across_families(family):
-    """The block is the target's own decoder layer (Gemma 3: its layer type's mask and rotary)."""
+    """The block is the target's own decoder layer (Gemma 3: its layer type's mask and rotary;
+    Gemma 4: the full-attention head size and its own K/V where the target's last layer shares them)."""
     t = Target(tiny_model(family, vocab_size=40, init_scale=0.3))
     for options in ({}, {"tree_top_k": 2}):
         res = run(t, MTPDrafter.tiny(t, **options), GreedyVerifier(), [Request([1, 2, 3], 9), Request([4], 6)], k=3,

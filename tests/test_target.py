@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.target import Target, layer_output_ids
 from specdec.testing.tiny import FAMILIES, tiny_model
-from specdec.types import Requirements
+from specdec.types import Requirements, chain_parents
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
@@ -108,3 +109,43 @@ def test_compaction_gathers_valid_slots_to_the_front():
     assert s.cache.valid.tolist() == [[True, True, True], [True, True, True]]
     assert s.cache.slot_pos.tolist() == [[0, 1, 2], [0, 1, 2]]
     assert s.cache.lengths.tolist() == [3, 3]
+
+
+def test_new_layers_are_built_like_the_layer_they_imitate(family_target):
+    """A layer from ``layer_config(i)`` has layer i's weights (no more: no per-layer input, Gemma 4's
+    per-layer embeddings have no rows for it), runs on the rotary of layer i's type and keeps its own
+    K/V of layer i's shape in the cache it is handed, even where layer i reads another layer's (Gemma 4)."""
+    t = family_target
+    x = torch.randn(1, 3, t.hidden_size)
+    for spec in t.layer_specs():
+        layer = t.new_layer(t.layer_config(spec.index, 2), 1)
+        t.init_weights(layer)
+        mine = {n: p.shape for n, p in layer.named_parameters()}
+        theirs = {n: p.shape for n, p in t.layers[spec.index].named_parameters()}
+        if not spec.kv_shared:
+            assert mine.items() <= theirs.items(), (spec, set(mine.items()) - set(theirs.items()))
+        store = t.new_store(1, 2)
+        plan = store.plan(chain_parents(3))
+        mask = plan.attention_mask[spec.layer_type] if isinstance(plan.attention_mask, dict) else plan.attention_mask
+        with torch.inference_mode():
+            out = layer(x, attention_mask=mask, position_ids=plan.position_ids, cache=t.kv_cache(store),
+                        use_cache=True, position_embeddings=t.rotary(x, plan.position_ids, spec.layer_type))
+        store.commit(torch.ones(1, 3, dtype=torch.bool))
+        assert (out[0] if isinstance(out, tuple) else out).shape == x.shape
+        keys, _ = store.layer(1)
+        if spec.head_dim is not None:  # MLA keeps latent K/V of its own shape
+            assert keys.shape == (1, spec.num_kv_heads, 3, spec.head_dim), spec
+
+
+def test_layer_specs_carry_each_layer_types_rope(family_target):
+    """A Llama rotary built from a spec's flat RoPE parameters gives the target's own cos/sin for
+    that layer type (Gemma 3/4 keep one RoPE per type: 10⁴ sliding, 10⁶ full, Gemma 4's proportional)."""
+    t = family_target
+    x, pos = torch.zeros(1), torch.arange(0, 400, 9).unsqueeze(0)
+    for spec in t.layer_specs():
+        if spec.head_dim is None:  # MLA: the rotary covers only part of a head
+            continue
+        cfg = LlamaConfig(hidden_size=t.hidden_size, num_attention_heads=spec.num_heads, head_dim=spec.head_dim,
+                          rope_parameters=spec.rope_parameters)
+        for got, want in zip(LlamaRotaryEmbedding(cfg)(x, pos), t.rotary(x, pos, spec.layer_type)):
+            torch.testing.assert_close(got, want)

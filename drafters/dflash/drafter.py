@@ -56,13 +56,13 @@ def tiny_block_config(target: Target, config_class: type[BlockDraftConfig] = Blo
     n_feat = overrides.pop("num_target_features", 2)
     # tiny targets are too shallow for DFlash's spacing: the embeddings (-1) and the first layers
     ids = build_target_layer_ids(L, n_feat) if L >= 5 else list(range(-1, min(n_feat, L) - 1))
+    last = target.layer_specs()[-1]  # draft layers attend to the whole context: a full-attention layer's shapes
     base: dict[str, Any] = dict(
         hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=target.vocab_size,
-        num_target_layers=L, target_layer_ids=ids,
-        mask_token_id=target.vocab_size - 1, block_size=5,
-        rope_parameters=dict(getattr(target.text_config, "rope_parameters", None)
-                             or {"rope_type": "default", "rope_theta": 10000.0}),
+        num_attention_heads=last.num_heads, num_key_value_heads=last.num_kv_heads,
+        head_dim=last.head_dim or target.hidden_size // last.num_heads, vocab_size=target.vocab_size,
+        num_target_layers=L, target_layer_ids=ids, mask_token_id=target.vocab_size - 1, block_size=5,
+        rope_parameters=last.rope_parameters,
         rms_norm_eps=float(getattr(target.text_config, "rms_norm_eps", 1e-6)))
     base.update(overrides)
     return config_class(**base)

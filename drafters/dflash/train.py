@@ -198,13 +198,14 @@ class BlockRecipe(Recipe):
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "block drafters train for a target"
         o, tc, D = self.options, target.text_config, target.hidden_size
+        last = target.layer_specs()[-1]  # draft layers attend to the whole context: a full-attention layer's shapes
         cfg = self.model_class.config_class(
             hidden_size=D, intermediate_size=o.intermediate, num_hidden_layers=o.layers,
-            num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-            head_dim=getattr(tc, "head_dim", None) or D // tc.num_attention_heads, vocab_size=target.vocab_size,
+            num_attention_heads=last.num_heads, num_key_value_heads=last.num_kv_heads,
+            head_dim=last.head_dim or D // last.num_heads, vocab_size=target.vocab_size,
             num_target_layers=target.num_layers, target_layer_ids=self.layer_ids(target),
             mask_token_id=target.vocab_size - 1 if o.mask_token_id is None else o.mask_token_id,
-            block_size=o.block, rms_norm_eps=tc.rms_norm_eps, rope_parameters=dict(tc.rope_parameters),
+            block_size=o.block, rms_norm_eps=tc.rms_norm_eps, rope_parameters=last.rope_parameters,
             max_position_embeddings=tc.max_position_embeddings, **self.extra_config())
         model = self.model_class(cfg)
         model.init_weights(o.init_std)

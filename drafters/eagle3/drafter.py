@@ -131,7 +131,7 @@ class Eagle3Drafter(Drafter):
                           own_embedding=overrides.pop("own_embedding", False))
         scale = overrides.pop("init_scale", 0.3)  # peaked draft distributions: top-k/top-p cut something
         g = torch.Generator().manual_seed(seed)
-        model = Eagle3Model(draft_layer_config(target.text_config), spec)
+        model = Eagle3Model(draft_layer_config(target), spec)
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() == 2:

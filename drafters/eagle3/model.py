@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from specdec.drafters.layers import GQAttention, attend, rope
 from specdec.kernels.norm_concat_linear import fused_norm_concat_linear
+from specdec.target import Target
 
 __all__ = ["Eagle3Spec", "Eagle3Layer", "Eagle3Model", "default_layer_ids", "draft_layer_config",
            "vocab_map", "attend"]
@@ -47,21 +48,19 @@ def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def draft_layer_config(text_config, **overrides) -> LlamaConfig:
-    """A one-layer Llama config shaped like the target (EAGLE-3 drafts are Llama layers for any target)."""
-    heads = int(text_config.num_attention_heads)
-    hidden = int(text_config.hidden_size)
-    rope = getattr(text_config, "rope_parameters", None) or {"rope_type": "default",
-                                                               "rope_theta": getattr(text_config, "rope_theta", 1e4)}
+def draft_layer_config(target: Target, **overrides) -> LlamaConfig:
+    """A one-layer Llama config shaped like the target's last layer (EAGLE-3 drafts are Llama layers
+    for any target): its heads, head size and RoPE, which in Gemma 3/4 are the full-attention
+    layers' (their configs keep one RoPE per layer type, which a Llama config would ignore)."""
+    tc, last = target.text_config, target.layer_specs()[-1]
     kwargs = dict(
-        hidden_size=hidden, num_attention_heads=heads,
-        num_key_value_heads=int(getattr(text_config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(text_config, "head_dim", None) or hidden // heads),
-        intermediate_size=int(text_config.intermediate_size),
-        rms_norm_eps=float(getattr(text_config, "rms_norm_eps", 1e-6)), vocab_size=int(text_config.vocab_size),
-        max_position_embeddings=int(getattr(text_config, "max_position_embeddings", 4096)),
-        rope_parameters=dict(rope), num_hidden_layers=1, hidden_act="silu", attention_bias=False, mlp_bias=False,
-        tie_word_embeddings=False,
+        hidden_size=target.hidden_size, num_attention_heads=last.num_heads, num_key_value_heads=last.num_kv_heads,
+        head_dim=last.head_dim or int(getattr(tc, "head_dim", None) or target.hidden_size // last.num_heads),
+        intermediate_size=int(tc.intermediate_size),
+        rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)), vocab_size=int(tc.vocab_size),
+        max_position_embeddings=int(getattr(tc, "max_position_embeddings", 4096)),
+        rope_parameters=last.rope_parameters, num_hidden_layers=1, hidden_act="silu", attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=False,
     )
     kwargs.update(overrides)
     return LlamaConfig(**kwargs)

@@ -154,7 +154,7 @@ class Eagle3Recipe(Recipe):
         assert target is not None, "eagle3 trains for a target"
         d2t, t2d = vocab_map(token_counts(data.train, target.vocab_size), self.options.draft_vocab)
         spec = Eagle3Spec(self.layer_ids(target), target.hidden_size, self.options.draft_vocab, norm_before_residual=True)
-        model = Eagle3Model(draft_layer_config(target.text_config), spec)
+        model = Eagle3Model(draft_layer_config(target), spec)
         with torch.no_grad():
             model.d2t.copy_(d2t)
             model.t2d.copy_(t2d)

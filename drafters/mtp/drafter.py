@@ -38,7 +38,6 @@ Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabular
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
 
-__all__ = ["MTPConfig", "MTPModule", "MTPDrafter", "MTPState", "mtp_block_config", "build_mtp_modules",
+__all__ = ["MTPConfig", "MTPModule", "MTPDrafter", "MTPState", "build_mtp_modules",
            "module_for_step", "POLICIES"]
 
 POLICIES = ("cycle", "last", "first")
@@ -82,17 +81,6 @@ def module_for_step(j: int, depth: int, policy: str) -> int:
     if j < depth:
         return j
     return {"cycle": j % depth, "last": depth - 1, "first": 0}[policy]
-
-
-def mtp_block_config(text_config, depth: int):
-    """The target's config, re-indexed for ``depth`` MTP blocks (always MoE for DeepSeek-V3)."""
-    cfg = copy.deepcopy(text_config)
-    cfg.num_hidden_layers = depth
-    if hasattr(cfg, "first_k_dense_replace"):
-        cfg.first_k_dense_replace = 0  # MTP blocks are MoE layers, as transformers builds them
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = [cfg.layer_types[-1]] * depth
-    return cfg
 
 
 class MTPModule(nn.Module):
@@ -127,9 +115,10 @@ class MTPModule(nn.Module):
 
 
 def build_mtp_modules(target: Target, depth: int) -> nn.ModuleList:
-    """``depth`` randomly initialised MTP modules of the target's family (its own decoder layer
-    and norm), built first and then initialised in one pass as the target's model initialises."""
-    cfg = mtp_block_config(target.text_config, depth)
+    """``depth`` randomly initialised MTP modules of the target's family (its own decoder layer,
+    built like its last layer: MoE for DeepSeek-V3, as transformers builds them, and norm), built
+    first and then initialised in one pass as the target's model initialises."""
+    cfg = target.layer_config(-1, depth)
     eps = getattr(cfg, "rms_norm_eps", 1e-6)
     modules = nn.ModuleList([
         MTPModule(target.new_layer(cfg, d), lambda: target.new_norm(cfg.hidden_size, eps), cfg.hidden_size)
@@ -200,7 +189,7 @@ class MTPDrafter(Drafter):
         if width != 2 * target.hidden_size:
             raise ValueError(f"MTP eh_proj expects hidden size {width // 2}, the target has {target.hidden_size}")
         self.modules.to(device=target.device, dtype=target.dtype)
-        self.layer_type = target.layer_specs()[-1].layer_type  # every MTP block's (mtp_block_config)
+        self.layer_type = target.layer_specs()[-1].layer_type  # every MTP block's (build_mtp_modules)
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------
