@@ -12,7 +12,7 @@ by one while ``Θ`` does not decrease, stopping at the first decrease or at the 
 It is lossless: it only sets ``num_valid``, which shortens what the verifier checks. It is
 batch-aware: one budget is shared, so a confident request gets drafts a doubtful one gives up.
 
-Costs come from :class:`StepCosts`, a table profiled once on this machine
+Costs come from :class:`~specdec.policy.StepCosts`, a table profiled once on this machine
 (:func:`profile_step_costs`, cached on disk) or passed in. This library's loop verifies a
 rectangular block (rows padded to the longest), so by default a step costs
 ``verify(R · (1 + max ℓ))``; ``ragged=True`` prices ``Σ (1 + ℓ_r)`` tokens instead, as a
@@ -21,58 +21,15 @@ variable-length attention kernel would.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from specdec.policy import StepCosts  # the cost table every draft-length decision reads
+
 __all__ = ["StepCosts", "schedule", "survival", "best_throughput", "profile_step_costs"]
-
-
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear in x, extrapolated linearly past both ends."""
-    if len(xs) == 1:
-        return ys[0] * max(x, 1.0) / max(xs[0], 1.0)
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
-
-
-@dataclass
-class StepCosts:
-    """Seconds per step: ``verify_s[i]`` for a target forward over ``verify_tokens[i]`` tokens in
-    total, ``draft_s[i]`` for one draft pass over ``draft_rows[i]`` rows. Both ascending."""
-
-    verify_tokens: list[int]
-    verify_s: list[float]
-    draft_rows: list[int]
-    draft_s: list[float]
-
-    def __post_init__(self) -> None:
-        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_rows, self.draft_s, "draft")):
-            if not xs or len(xs) != len(ys):
-                raise ValueError(f"{name} table needs matching, non-empty sizes and times")
-            if list(xs) != sorted(set(xs)) or min(xs) < 0 or min(ys) < 0:
-                raise ValueError(f"{name} sizes must be strictly ascending and times non-negative")
-
-    def verify(self, tokens: float) -> float:
-        return _interp([float(x) for x in self.verify_tokens], self.verify_s, float(tokens))
-
-    def draft(self, rows: float) -> float:
-        return _interp([float(x) for x in self.draft_rows], self.draft_s, float(rows))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> StepCosts:
-        return cls(**json.loads(Path(path).read_text()))
 
 
 def survival(conf: Tensor) -> Tensor:
