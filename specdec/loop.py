@@ -155,7 +155,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         proposal = drafter.propose(state, k, rows) if drafter is not None else DraftProposal.empty(nb, dev)
         proposal.validate(nb, target.vocab_size)
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            proposal.num_valid = policy.choose(chosen, proposal, live)
+            proposal = replace(proposal, num_valid=policy.choose(chosen, proposal, live))
         proposal = _trim(proposal)
         tb = clock()
         inputs = torch.cat([last.unsqueeze(1), proposal.tokens], dim=1)
