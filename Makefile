@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
 # The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
-BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp
+BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp adaptive suffix
 # mode: roofline presets (docs/roofline.md): one run each, its own tables and figures
 ROOFLINES := roofline roofline-tiny
 

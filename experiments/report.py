@@ -38,7 +38,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from specdec.eval.runner import lossy_mark  # noqa: E402
+from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 
 __all__ = ["FIGURES", "load_runs", "write_figures", "write_report"]
 
@@ -88,7 +88,7 @@ def _series(runs: list[dict]) -> dict[str, dict[int, dict]]:
         if "ar" in r["summary"]:
             ar[lossy_mark(r["summary"]["ar"]) + context(r)][c].append(r["summary"]["ar"])
         for m, s in _speculative(r).items():
-            out[_family(r, m) + lossy_mark(s), s["k"], context(r)][c] = s
+            out[_family(r, m) + lossy_mark(s), k_label(s), context(r)][c] = s
     series = {f"autoregressive{ctx}": {c: {"tokens_per_s": statistics.fmean(s["tokens_per_s"] for s in ss),
                                            "latency_mean_s": statistics.fmean(s["latency_mean_s"] for s in ss)}
                                        for c, ss in by_c.items()} for ctx, by_c in ar.items()}
@@ -194,7 +194,8 @@ def figure_speedup_k(runs: list[dict], title: str):
     context = _context(runs)
     for r in runs:
         for m, s in _speculative(r).items():
-            groups[(_family(r, m) + lossy_mark(s) + context(r), r["config"]["concurrency"])].append((s["k"], s))
+            policy = f" ({s['policy']})" if s.get("policy") not in (None, "fixed") else ""
+            groups[(_family(r, m) + policy + lossy_mark(s) + context(r), r["config"]["concurrency"])].append((s["k"], s))
     if not groups:
         return None
     fig, ax = _new_figure(title, wide=True)
@@ -278,7 +279,7 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
         for method, s in r["summary"].items():
             lines.append(
                 f"| {r['dir'].name.split('_')[0]} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
-                f" | {s.get('drafter', cfg['drafter']['name']) or '-'} | {s.get('k') or '-'} | {s['concurrency']}"
+                f" | {s.get('drafter', cfg['drafter']['name']) or '-'} | {k_label(s)} | {s['concurrency']}"
                 f" | {method}{lossy_mark(s)} | {s['tokens_per_s']:.1f} | {s['latency_mean_s']:.2f} | {s['ttft_mean_s'] * 1e3:.0f}"
                 f" | {s['tpot_mean_s'] * 1e3:.1f} | {_fmt(s.get('speedup'), '.2f')}"
                 f" | {_fmt(s.get('decode_speedup'), '.2f')} | {_fmt(s.get('predicted_speedup'), '.2f')}"

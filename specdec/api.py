@@ -12,6 +12,7 @@ import torch
 from specdec.drafter import Drafter
 from specdec.loop import Request, RunResult, run
 from specdec.metrics import GenerationSummary
+from specdec.policy import DraftPolicy, make_policy
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -95,13 +96,16 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
              k: int = 4, verifier: Verifier | str = "rejection",
              sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
              chat: bool = False, eos_token_ids: set[int] | None = None, progress: bool | None = None,
-             **drafter_options: Any) -> GenerationResult:
+             policy: DraftPolicy | str | None = None, **drafter_options: Any) -> GenerationResult:
     """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively.
 
     ``progress``: a tqdm bar of new tokens on stderr; None (default) shows it only when someone is
     watching (:func:`specdec.loop.interactive`: a terminal, not pytest or CI); True or False forces it.
+    ``policy="adaptive"`` verifies, per row and step, only as many of the (up to ``k``) drafts as
+    pay (:mod:`specdec.policy`); None verifies every proposed node.
     """
     prompts = as_prompt_batch(prompts)
+    policy = make_policy(policy)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, target, **drafter_options)
     if isinstance(verifier, str):
@@ -110,9 +114,11 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
     requests = [Request(_encode(target, p, chat), max_new_tokens, s) for p, s in zip(prompts, params)]
-    result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids, progress=progress)
+    result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids, progress=progress,
+                 policy=policy)
     tokens = [r.tokens for r in result.requests]
     texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if target.tokenizer else None
     summary = GenerationSummary.of([r.metrics for r in result.requests], result.metrics,
-                                   drafter.name if drafter is not None else None, verifier.name, verifier.lossless, k)
+                                   drafter.name if drafter is not None else None, verifier.name, verifier.lossless, k,
+                                   policy.name if policy is not None and drafter is not None else None)
     return GenerationResult(texts, tokens, result, summary)

@@ -23,6 +23,7 @@ from torch import Tensor
 from specdec.api import make_drafter
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
+from specdec.policy import make_policy
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -33,15 +34,18 @@ __all__ = ["custom_generate"]
 _EXACT_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}
 
 
-def custom_generate(drafter: str | None, k: int = 4, verifier: str = "rejection",
+def custom_generate(drafter: str | None, k: int = 4, verifier: str = "rejection", policy: str | None = None,
                     **drafter_options: Any) -> Callable[..., Tensor]:
     """A decoding loop for ``model.generate(custom_generate=...)`` with the drafter registered as
-    ``drafter`` (``None``: plain decoding through the same loop) built with ``drafter_options``.
+    ``drafter`` (``None``: plain decoding through the same loop) built with ``drafter_options``;
+    ``policy="adaptive"`` chooses per row and step how many of the k drafts to verify
+    (:mod:`specdec.policy`).
 
     The drafter is built once per model, at the first call, through :func:`specdec.make_drafter`
-    (checkpoints by name, options checked), and reused.
+    (checkpoints by name, options checked), and reused, as is the policy (it keeps what it measured).
     """
     k = as_int("k", k, minimum=1)
+    chooser = make_policy(policy)
     verifier_cls = verifier_class(verifier)
     if drafter is not None:
         drafter_class(drafter)  # an unknown name fails here, not inside generate()
@@ -67,7 +71,7 @@ def custom_generate(drafter: str | None, k: int = 4, verifier: str = "rejection"
         eos = cfg.eos_token_id
         eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [int(eos)])
         requests = [Request(p, max_new, s) for p, s in zip(prompts, sampling)]
-        result = run(target, draft, verifier_cls(), requests, k=k, eos_token_ids=eos_ids)
+        result = run(target, draft, verifier_cls(), requests, k=k, eos_token_ids=eos_ids, policy=chooser)
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
         width = max(len(r.tokens) for r in result.requests)  # transformers stops once every row is done
         out = torch.full((len(prompts), width), int(pad), dtype=torch.long, device=input_ids.device)

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from specdec.drafter import Drafter
 from specdec.metrics import RequestMetrics, RunMetrics
+from specdec.policy import DraftPolicy, make_policy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements, node_depths
@@ -100,15 +101,20 @@ def interactive() -> bool:
 
 
 def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int = 4,
-        eos_token_ids: set[int] | None = None, progress: bool | None = False) -> RunResult:
+        eos_token_ids: set[int] | None = None, progress: bool | None = False,
+        policy: DraftPolicy | str | None = None) -> RunResult:
     """Generate for a batch of requests. See the module docstring for the step.
 
     ``progress``: a tqdm bar on stderr, new tokens out of the requests' ``max_new_tokens`` in
     total; None shows it when :func:`interactive`. Off by default here, as the runner, the training
     data pipeline and the test tools call this many times (the first two with bars of their own);
-    :func:`specdec.generate` shows it by default when interactive.
+    :func:`specdec.generate` shows it by default when interactive. ``policy``
+    (:mod:`specdec.policy`) chooses how many of the proposed nodes each row verifies; None (or
+    ``"fixed"``) verifies them all.
     """
     validate_requests(target, drafter, requests, k)
+    policy = make_policy(policy)
+    policy = policy if drafter is not None else None  # plain decoding has nothing to shorten
     if not verifier.lossless:
         warnings.warn(f"verifier {verifier.name!r} is lossy: the output is not distributed as the target's",
                       LossyVerifierWarning, stacklevel=2)
@@ -118,11 +124,11 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc="generate", unit="tok", disable=not show,
                file=sys.stderr)
     with bar, target.capturing(drafter.requirements() if drafter is not None else Requirements()):
-        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar)
+        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar, policy)
 
 
 def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int,
-              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm) -> RunResult:
+              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm, policy: DraftPolicy | None) -> RunResult:
     """The loop itself, inside the target's capture scope for this run; ``bar`` counts new tokens."""
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
     B, dev = len(requests), target.device
@@ -150,6 +156,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     for m in metrics:
         m.ttft_s = m.latency_s = rm.prefill_s
     state = drafter.start(committed, rows) if drafter is not None else None
+    chosen = policy.start(B, k) if policy is not None else None
     rm.draft_s += clock() - t1
     last = first.next_tokens
 
@@ -166,6 +173,8 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         ta = clock()
         proposal = drafter.propose(state, k, rows) if drafter is not None else DraftProposal.empty(nb, dev)
         proposal.validate(nb, target.vocab_size)
+        if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
+            proposal = replace(proposal, num_valid=policy.choose(chosen, proposal, live))
         proposal = _trim(proposal)
         tb = clock()
         inputs = torch.cat([last.unsqueeze(1), proposal.tokens], dim=1)
@@ -198,6 +207,8 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         if drafter is not None:
             drafter.observe(state, committed)
         tf = clock()
+        if policy is not None:
+            policy.observe(chosen, proposal, ver.num_accepted, live, (tb - ta) + (tf - te), td - tb)
         last = ver.next_tokens
         session.cache.maybe_compact()
         tg = clock()
@@ -219,7 +230,8 @@ def _trim(proposal: DraftProposal) -> DraftProposal:
     if n == proposal.n:
         return proposal
     q = None if proposal.q is None else proposal.q[:, :n]
-    return DraftProposal(proposal.tokens[:, :n], proposal.parents[:, :n], q, proposal.num_valid)
+    conf = None if proposal.confidence is None else proposal.confidence[:, :n]
+    return replace(proposal, tokens=proposal.tokens[:, :n], parents=proposal.parents[:, :n], q=q, confidence=conf)
 
 
 def _gather(h: Tensor, order: Tensor) -> Tensor:

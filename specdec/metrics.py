@@ -138,12 +138,13 @@ class GenerationSummary:
     tokens_per_s: float  # new tokens / wall_s
     draft_ms_per_step: float
     verify_ms_per_step: float  # target forward + verification, per batch step
+    policy: str | None = None  # draft-length policy (specdec.policy); None = every proposed node verified (fixed k)
 
     @classmethod
     def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
-           lossless: bool, k: int) -> GenerationSummary:
+           lossless: bool, k: int, policy: str | None = None) -> GenerationSummary:
         per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
-        return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k,
+        return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy,
                    prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
                    **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
                    draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step)
@@ -164,7 +165,8 @@ class GenerationSummary:
     def __str__(self) -> str:
         lossy = "" if self.lossless else " (LOSSY verifier: not the target's distribution)"
         acc = ", ".join(f"{a:.2f}" for a in self.acceptance_at) or "-"
-        return (f"{self.drafter or 'autoregressive'} / {self.verifier}{lossy}, k={self.k}: "
+        k = f"k<={self.k} ({self.policy})" if self.policy else f"k={self.k}"
+        return (f"{self.drafter or 'autoregressive'} / {self.verifier}{lossy}, {k}: "
                 f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); "
                 f"mean accepted length {self.mean_accepted_length:.2f} tokens/step; acceptance by depth [{acc}]; "
                 f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms")

@@ -31,9 +31,8 @@ variable-length attention kernel would.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,62 +40,13 @@ import torch
 from torch import Tensor
 
 from specdec.drafter import Drafter
+from specdec.policy import StepCosts  # the cost table every draft-length decision reads
 from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
 
 __all__ = ["StepCosts", "schedule", "survival", "best_throughput", "profile_step_costs", "ScheduleState", "skip_step",
            "ScheduledDrafter"]
-
-
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear in x, extrapolated linearly past both ends."""
-    if len(xs) == 1:
-        return ys[0] * max(x, 1.0) / max(xs[0], 1.0)
-    i = 1
-    while i < len(xs) - 1 and x > xs[i]:
-        i += 1
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
-
-
-@dataclass
-class StepCosts:
-    """Seconds per step: ``verify_s[i]`` for a target forward over ``verify_tokens[i]`` tokens in
-    total, ``draft_s[i]`` for one draft pass over ``draft_rows[i]`` rows. Both ascending."""
-
-    verify_tokens: list[int]
-    verify_s: list[float]
-    draft_rows: list[int]
-    draft_s: list[float]
-
-    def __post_init__(self) -> None:
-        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_rows, self.draft_s, "draft")):
-            if not xs or len(xs) != len(ys):
-                raise ValueError(f"{name} table needs matching, non-empty sizes and times")
-            if list(xs) != sorted(set(xs)) or min(xs) < 0 or min(ys) < 0:
-                raise ValueError(f"{name} sizes must be strictly ascending and times non-negative")
-
-    @classmethod
-    def linear(cls, per_token: float, fixed: float, draft: float) -> StepCosts:
-        """A synthetic table: a verify forward over ``n`` tokens costs ``fixed + per_token·n``
-        seconds, a draft pass ``draft`` whatever its rows (what-if studies, and tests that need
-        the scheduler to draft whatever this machine measures)."""
-        return cls([1, 2], [fixed + per_token, fixed + 2 * per_token], [1, 2], [draft, draft])
-
-    def verify(self, tokens: float) -> float:
-        return _interp([float(x) for x in self.verify_tokens], self.verify_s, float(tokens))
-
-    def draft(self, rows: float) -> float:
-        return _interp([float(x) for x in self.draft_rows], self.draft_s, float(rows))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
-
-    @classmethod
-    def load(cls, path: str | Path) -> StepCosts:
-        return cls(**json.loads(Path(path).read_text()))
 
 
 def survival(conf: Tensor) -> Tensor:

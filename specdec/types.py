@@ -69,12 +69,16 @@ class DraftProposal:
     the same temperature / top-k / top-p warping the target gets. ``q is None`` declares the
     whole draft deterministic: the verifier then treats every node's q as one-hot.
     Siblings must appear in the order they were drawn, and parents before children.
+    ``confidence`` is optional advice for draft-length policies (:mod:`specdec.policy`): the
+    drafter's estimate that node ``j`` is accepted given its parent was. It never reaches the
+    verifier.
     """
 
     tokens: Tensor  # [B, n] int64
     parents: Tensor  # [B, n] int64, -1 for a child of the last committed token
     q: Tensor | None = None  # [B, n, V] float, or None when deterministic
     num_valid: Tensor | None = None  # [B] nodes to verify per row; the rest is padding
+    confidence: Tensor | None = None  # [B, n] in [0, 1], or None
 
     def __post_init__(self) -> None:
         if self.parents.dim() == 1:
@@ -97,8 +101,9 @@ class DraftProposal:
         return bool(torch.equal(self.parents, chain_parents(self.n, self.tokens.shape[0], self.tokens.device)))
 
     @classmethod
-    def chain(cls, tokens: Tensor, q: Tensor | None = None, num_valid: Tensor | None = None) -> DraftProposal:
-        return cls(tokens, chain_parents(tokens.shape[1], tokens.shape[0], tokens.device), q, num_valid)
+    def chain(cls, tokens: Tensor, q: Tensor | None = None, num_valid: Tensor | None = None,
+              confidence: Tensor | None = None) -> DraftProposal:
+        return cls(tokens, chain_parents(tokens.shape[1], tokens.shape[0], tokens.device), q, num_valid, confidence)
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> DraftProposal:
@@ -121,6 +126,8 @@ class DraftProposal:
             raise ValueError("every parent index must be -1 or the index of an earlier node")
         if self.q is not None and self.q.shape != (B, n, vocab_size):
             raise ValueError(f"q shape {tuple(self.q.shape)} != {(B, n, vocab_size)}")
+        if self.confidence is not None and self.confidence.shape != (B, n):
+            raise ValueError(f"confidence shape {tuple(self.confidence.shape)} != {(B, n)}")
         assert self.num_valid is not None
         if ((self.num_valid < 0) | (self.num_valid > n)).any():
             raise ValueError(f"num_valid must lie in [0, {n}]")

@@ -50,6 +50,7 @@ CASES.update({
     "dspark[rnn]": lambda t: DRAFTERS["dspark"].tiny(t, markov_head_type="rnn"),
     "eagle3[static_tree]": lambda t: DRAFTERS["eagle3"].tiny(t, tree="static"),
     "eagle3[dynamic_tree]": lambda t: DRAFTERS["eagle3"].tiny(t, tree="dynamic", tree_top_k=3, tree_budget=10),
+    "eagle3[eagle3.1]": lambda t: DRAFTERS["eagle3"].tiny(t, fc_norm=True, norm_output=True),  # EAGLE-3.1 flags on
     "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
     "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
     "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),

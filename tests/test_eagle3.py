@@ -222,10 +222,13 @@ def test_drafts_after_acceptance_equal_drafts_from_a_fresh_start(target, tree, m
 
 
 # --- training-time test is what decoding runs ----------------------------------------------------------
-def test_ttt_steps_equal_chain_drafting(target):
+@pytest.mark.parametrize("eagle31", [False, True], ids=["eagle3", "eagle3.1"])
+def test_ttt_steps_equal_chain_drafting(target, eagle31):
     """Teacher-forced on the drafter's own greedy chain, TTT's step-s logits at the last context
-    slot are the logits the drafter drafted node s from."""
-    d = Eagle3Drafter.tiny(target, draft_vocab_size=target.vocab_size)
+    slot are the logits the drafter drafted node s from (EAGLE-3.1: per-feature norms, and each
+    step reading the previous one's norm(y), in both)."""
+    d = Eagle3Drafter.tiny(target, draft_vocab_size=target.vocab_size, fc_norm=eagle31, norm_output=eagle31)
+    _randomise_norms(d)
     prompt, k = PROMPTS[1], 4
     prop = first_proposal(target, d, prompt, k=k)
     state = d.start(*_prefill(target, d, prompt))
@@ -265,6 +268,64 @@ def test_speculators_round_trip(target, tmp_path, variant):
     for (ka, va), (kb, vb) in zip(d.model.state_dict().items(), e.model.state_dict().items()):
         assert ka == kb and torch.equal(va, vb)
     _same_drafts(target, d, e)
+
+
+def _randomise_norms(d: Eagle3Drafter) -> None:
+    """Norm weights away from 1 (tiny() randomises matrices only), so a norm read wrongly shows."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in d.model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+
+
+def test_eagle3_1_flags_round_trip_as_speculators_writes_them(target, tmp_path):
+    """fc_norm and norm_output (EAGLE-3.1) as speculators names them: two config.json flags and
+    one ``fc_norm.<i>.weight`` per feature layer."""
+    d = Eagle3Drafter.tiny(target, tree="static", fc_norm=True, norm_output=True)
+    _randomise_norms(d)
+    save_eagle3(d.model, tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"]) == (True, True, False)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert {k for k in f.keys() if "fc_norm" in k} == {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+        assert f.get_tensor("fc_norm.0.weight").shape == (target.hidden_size,)
+    e = Eagle3Drafter.create(target, checkpoint=str(tmp_path), tree="static")
+    assert e.model.spec.fc_norm and e.model.spec.norm_output
+    for (ka, va), (kb, vb) in zip(d.model.state_dict().items(), e.model.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    _same_drafts(target, d, e)
+    # the fused input is concat(Norm_i(h_i)) before fc, as speculators' forward computes it
+    h = torch.randn(2, 5, 3 * target.hidden_size)
+    m = e.model
+    manual = m.fc(torch.cat([norm(c) for norm, c in zip(m.fc_norm, h.chunk(3, -1))], -1))
+    torch.testing.assert_close(m.fuse(h), manual)
+    y = torch.randn(2, 5, m.config.hidden_size)
+    torch.testing.assert_close(m.carry(y), m.norm(y))
+
+
+def test_an_eagle3_checkpoint_without_the_eagle3_1_flags_is_plain_eagle3(target, tmp_path):
+    d = Eagle3Drafter.tiny(target, tree="static")
+    _randomise_norms(d)
+    save_eagle3(d.model, tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (cfg.pop("fc_norm"), cfg.pop("norm_output")) == (False, False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))  # as written before the flags existed
+    e = Eagle3Drafter.create(target, checkpoint=str(tmp_path), tree="static")
+    assert not e.model.spec.fc_norm and not e.model.spec.norm_output and e.model.fc_norm is None
+    y = torch.randn(2, e.model.config.hidden_size)
+    assert torch.equal(e.model.carry(y), y)
+    _same_drafts(target, d, e)
+    # the same weights read as EAGLE-3.1 draft differently: the flags are not ignored
+    cfg["norm_output"] = True
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    f = Eagle3Drafter.create(target, checkpoint=str(tmp_path), tree="static")
+    assert not torch.equal(first_proposal(target, f, PROMPTS[1], k=4).tokens,
+                           first_proposal(target, d, PROMPTS[1], k=4).tokens)
+    with pytest.raises(ValueError, match="exclusive"):
+        Eagle3Drafter.tiny(target, fc_norm=True, norm_before_fc=True)
 
 
 def test_bf16_checkpoint_is_small_and_loads(target, tmp_path):

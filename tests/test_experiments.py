@@ -107,7 +107,7 @@ def _preset_runs(preset: str) -> list[RunConfig]:
 
 def test_every_preset_and_every_value_of_its_sweep_converts_to_a_run_config(hydra_conf):
     assert {"bench_ngram", "bench_mtp", "bench_mtp_smollm2", "bench_eagle3", "bench_dflash", "bench_dflash_batch",
-            "bench_gemma_mtp", "smollm2_ngram_sweep", "smollm2_drafters"} <= set(PRESETS)
+            "bench_gemma_mtp", "bench_adaptive", "bench_suffix", "smollm2_ngram_sweep", "smollm2_drafters"} <= set(PRESETS)
     runs = {preset: _preset_runs(preset) for preset in PRESETS}
     assert len(runs["bench_dflash"]) == 1 + 4 and len(runs["smollm2_drafters"]) == 1 + 8
     assert len(runs["bench_ngram"]) == 1
@@ -118,6 +118,17 @@ def test_every_preset_and_every_value_of_its_sweep_converts_to_a_run_config(hydr
                                                                   "dspark"}
     run = entry.to_run_config(compose(config_name="bench_dflash_batch", overrides=["concurrency=16"]))
     assert run.dataset.num_prompts == 16  # one batch per job
+    adaptive = runs["bench_adaptive"]
+    assert [r.dataset.name for r in adaptive[1:]] == ["copy", "mtbench"]
+    assert {n: (m.drafter.name, m.k, m.policy) for n, m in adaptive[0].speculative_methods().items()} == {
+        **{f"{d} k={k}": (d, k, "fixed") for d in ("ngram",) for k in (1, 2, 4, 8)},
+        "ngram_adaptive": ("ngram", 8, "adaptive"),
+        **{f"{d} k={k}": (d, k, "fixed") for d in ("suffix",) for k in (1, 2, 4, 8)},
+        "suffix_adaptive": ("suffix", 8, "adaptive")}
+    suffix = runs["bench_suffix"]
+    assert [r.dataset.name for r in suffix[1:]] == ["humaneval", "mtbench"] and suffix[0].dataset.repeats == 2
+    assert list(suffix[0].speculative_methods()) == ["ngram", "suffix"] and suffix[0].hf_compare == [
+        "generate", "prompt_lookup"]
     run = entry.to_run_config(compose(config_name="bench_eagle3", overrides=["sampling.temperature=0.7"]))
     assert run.sampling.temperature == 0.7 and run.dataset.turns == 1 and list(run.speculative_methods()) == [
         "chain k=3", "chain k=5", "chain k=7", "static_tree", "dynamic_tree16", "dynamic_tree32"]
@@ -364,7 +375,7 @@ def test_methods_run_several_drafters_and_ks_interleaved(target):
     cfg = _tiny_cfg(drafter=DrafterConfig("ngram", {"max_ngram": 2}), hf_compare=["generate"], methods={
         "ngram": MethodConfig(k=[1, 3]), "ngram1": MethodConfig(options={"max_ngram": 1}),
         "draft": MethodConfig(drafter="draft_model", k=[2])})
-    assert {n: (d.name, d.options, k) for n, (d, k) in cfg.speculative_methods().items()} == {
+    assert {n: (d.name, d.options, k) for n, (d, k, _) in cfg.speculative_methods().items()} == {
         "ngram k=1": ("ngram", {"max_ngram": 2}, 1), "ngram k=3": ("ngram", {"max_ngram": 2}, 3),
         "ngram1": ("ngram", {"max_ngram": 1}, 4), "draft": ("draft_model", {}, 2)}  # another drafter: its own options
     res = run_experiment(cfg, target=target)
@@ -386,6 +397,38 @@ def test_methods_run_several_drafters_and_ks_interleaved(target):
         _tiny_cfg(methods={"x": MethodConfig(k=[0])})
     with pytest.raises(ValueError, match="names no drafter"):
         _tiny_cfg(drafter=DrafterConfig(None), methods={"x": MethodConfig()})
+
+
+def test_the_adaptive_policy_is_a_key_of_the_run_and_of_every_method(hydra_conf, target):
+    run = entry.to_run_config(compose(config_name="config", overrides=["policy=adaptive"]))
+    assert run.policy == "adaptive" and run.speculative_methods()["spec"].policy == "adaptive"
+    with pytest.raises(ValueError, match="policy must be one of fixed, adaptive, got 'adaptve'"):
+        _tiny_cfg(policy="adaptve")
+    with pytest.raises(ValueError, match="methods.x.policy must be one of"):
+        _tiny_cfg(methods={"x": MethodConfig(policy="k")})
+    cfg = _tiny_cfg(policy="adaptive", num_speculative_tokens=6, methods={
+        "fixed": MethodConfig(k=[2], policy="fixed"), "auto": MethodConfig()})
+    assert {n: m.policy for n, m in cfg.speculative_methods().items()} == {"fixed": "fixed", "auto": "adaptive"}
+    res = run_experiment(cfg, target=target)
+    assert res.tokens("auto") == res.tokens("fixed") == res.tokens("ar")  # greedy: lossless
+    assert res.summary["auto"]["policy"] == "adaptive" and res.summary["fixed"]["policy"] == "fixed"
+    md = summary_markdown(res.summary, cfg)
+    assert "| auto | ngram | ≤6 (adaptive) |" in md and "| fixed | ngram | 2 |" in md and "(adaptive policy)" in md
+
+
+def test_repeated_prompts_are_asked_again_and_reported_per_pass(target):
+    cfg = _tiny_cfg(drafter=DrafterConfig("suffix", {"max_cached_requests": 100}), dataset=DatasetConfig(
+        name="random", num_prompts=3, input_len=12, output_len=10, ignore_eos=True, repeats=2))
+    samples = load_dataset(cfg.dataset, None, 64)
+    assert [s.id for s in samples] == ["random-0", "random-1", "random-2", "random-0#2", "random-1#2", "random-2#2"]
+    assert [s.prompt_ids for s in samples[3:]] == [s.prompt_ids for s in samples[:3]]
+    res = run_experiment(cfg, target=target)
+    groups = res.summary["spec"]["by_group"]
+    assert list(groups) == ["-", "-, pass 2"] and groups["-"]["requests"] == 3
+    assert groups["-, pass 2"]["mean_accepted_length"] > groups["-"]["mean_accepted_length"]  # the global tree
+    assert "latency_speedup" in groups["-"] and "| -, pass 2 |" in summary_markdown(res.summary, cfg)
+    with pytest.raises(ValueError, match="repeats"):
+        DatasetConfig(repeats=0)
 
 
 def test_divergences_name_the_first_differing_token_and_the_targets_top2(target):

@@ -17,13 +17,14 @@ def model():
 
 
 @pytest.mark.parametrize("drafter", [None, "ngram", "draft_model"])
-def test_greedy_equals_transformers_generate(model, drafter):
+@pytest.mark.parametrize("policy", [None, "adaptive"])
+def test_greedy_equals_transformers_generate(model, drafter, policy):
     options = {"model": model} if drafter == "draft_model" else {}
     ids = torch.tensor([[3, 7, 3, 7, 3, 9], [5, 6, 7, 5, 6, 7]])
     for eos in (2, 31):  # 2 ends row 0 at once; with 31 both rows run the whole length
         ref = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)
         ours = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos,
-                              custom_generate=specdec.custom_generate(drafter, k=3, **options))
+                              custom_generate=specdec.custom_generate(drafter, k=3, policy=policy, **options))
         assert torch.equal(ours, ref)
     assert ref.shape == (2, 18)
 
@@ -59,3 +60,5 @@ def test_settings_the_loop_cannot_reproduce_are_refused(model):
         model.generate(ids, max_new_tokens=4, return_dict_in_generate=True, custom_generate=door)
     with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
         specdec.custom_generate("eagle")
+    with pytest.raises(ValueError, match="policy must be"):
+        specdec.custom_generate("ngram", policy="adaptve")

@@ -103,7 +103,7 @@ class DSparkDrafter(BlockDrafter):
             if self.scheduler:
                 assert self.costs is not None
                 num_valid = schedule(state.conf, self.costs, self.budget, self.ragged)
-        return DraftProposal.chain(tokens, q, num_valid)
+        return DraftProposal.chain(tokens, q, num_valid, state.conf)  # conf: advice for a draft-length policy
 
     def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, u: Tensor, rows: RowSampling,
                 greedy: bool) -> tuple[Tensor, Tensor | None]:

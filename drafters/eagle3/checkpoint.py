@@ -4,11 +4,15 @@ serving flags for vLLM and SGLang.
 **speculators** (``vllm-project/speculators``; what vLLM serves with ``"method": "eagle3"``):
 ``config.json`` with ``speculators_model_type: "eagle3"``, ``transformer_layer_config`` (a Llama
 config of the draft layer), ``draft_vocab_size``, ``norm_before_residual``, ``norm_before_fc``,
+the EAGLE-3.1 flags ``fc_norm`` and ``norm_output`` (absent: false, plain EAGLE-3),
 ``target_hidden_size`` (null when equal to the draft's), ``eagle_aux_hidden_state_layer_ids``
 (inputs of those target layers, this library's convention) and ``speculators_config`` (proposal
 methods, verifier); weights ``fc.weight``, ``layers.0.*`` (with ``hidden_norm``), ``norm.weight``,
-``lm_head.weight``, ``d2t``, ``t2d``, and ``embed_tokens.weight`` only when the draft has its own
-embedding (otherwise the target's is shared, which keeps a SmolLM2 draft under 25 MB).
+``lm_head.weight``, ``d2t``, ``t2d``, ``input_norm.weight`` with ``norm_before_fc``,
+``fc_norm.<i>.weight`` (one per feature layer) with ``fc_norm``, and ``embed_tokens.weight`` only
+when the draft has its own embedding (otherwise the target's is shared, which keeps a SmolLM2 draft
+under 25 MB). Field and weight names as speculators writes them (checked against
+vllm-project/speculators@c05b95b, ``src/speculators/models/eagle3/{config,core}.py``).
 
 **SafeAILab** (``SafeAILab/EAGLE``, EAGLE-3 releases): a Llama-like ``config.json`` with
 ``draft_vocab_size``, weights ``midlayer.*`` (the decoder layer), ``fc``, ``norm``, ``lm_head``,
@@ -63,6 +67,7 @@ def load_eagle3(folder: str | Path, num_target_layers: int | None = None) -> Eag
                 raise ValueError("the checkpoint names no eagle_aux_hidden_state_layer_ids: give num_target_layers")
             ids = default_layer_ids(num_target_layers)
         nbr, nbf = bool(cfg.get("norm_before_residual", False)), bool(cfg.get("norm_before_fc", False))
+        fcn, nout = bool(cfg.get("fc_norm", False)), bool(cfg.get("norm_output", False))
     else:
         if "draft_vocab_size" not in cfg:
             raise ValueError(f"{folder}/config.json is neither speculators eagle3 nor a SafeAILab EAGLE-3 config")
@@ -73,6 +78,7 @@ def load_eagle3(folder: str | Path, num_target_layers: int | None = None) -> Eag
         ids = default_layer_ids(num_target_layers)
         w = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in w.items()}
         nbr, nbf = False, "input_norm.weight" in w
+        fcn, nout = False, False
     if "rope_parameters" not in layer and "rope_theta" in layer | cfg:
         layer["rope_parameters"] = {"rope_type": "default", "rope_theta": (layer | cfg)["rope_theta"]}
     layer_cfg = LlamaConfig(**{k: v for k, v in layer.items() if k != "model_type"})
@@ -83,7 +89,7 @@ def load_eagle3(folder: str | Path, num_target_layers: int | None = None) -> Eag
         raise ValueError(f"fc.weight takes {w['fc.weight'].shape[1]} features, expected {len(ids)} x {D}")
     Vd = int(cfg.get("draft_vocab_size") or w["lm_head.weight"].shape[0])
     spec = Eagle3Spec(tuple(int(i) for i in ids), int(D), Vd, norm_before_residual=nbr, norm_before_fc=nbf,
-                      own_embedding="embed_tokens.weight" in w, fc_bias="fc.bias" in w)
+                      own_embedding="embed_tokens.weight" in w, fc_bias="fc.bias" in w, fc_norm=fcn, norm_output=nout)
     model = Eagle3Model(layer_cfg, spec)
     if "d2t" not in w:  # a full-vocabulary draft
         w["d2t"] = torch.zeros(Vd, dtype=torch.long)
@@ -114,6 +120,8 @@ def save_eagle3(model: Eagle3Model, folder: str | Path, verifier: str = "", num_
         "eagle_aux_hidden_state_layer_ids": list(spec.layer_ids),
         "norm_before_residual": spec.norm_before_residual,
         "norm_before_fc": spec.norm_before_fc,
+        "fc_norm": spec.fc_norm,
+        "norm_output": spec.norm_output,
         "target_hidden_size": None if spec.target_hidden_size == lc.hidden_size else spec.target_hidden_size,
         "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),

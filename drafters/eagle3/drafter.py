@@ -128,7 +128,8 @@ class Eagle3Drafter(Drafter):
         spec = Eagle3Spec(layer_ids, target.hidden_size, draft_vocab,
                           norm_before_residual=overrides.pop("norm_before_residual", True),
                           norm_before_fc=overrides.pop("norm_before_fc", False),
-                          own_embedding=overrides.pop("own_embedding", False))
+                          own_embedding=overrides.pop("own_embedding", False),
+                          fc_norm=overrides.pop("fc_norm", False), norm_output=overrides.pop("norm_output", False))
         scale = overrides.pop("init_scale", 0.3)  # peaked draft distributions: top-k/top-p cut something
         g = torch.Generator().manual_seed(seed)
         model = Eagle3Model(draft_layer_config(target), spec)
@@ -238,6 +239,7 @@ class Eagle3Drafter(Drafter):
         else:
             g = state.root.unsqueeze(1).expand(B, w, -1)
             anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
+        g = model.carry(g)  # the parent's output as the next step reads it
         pos = (cache.lengths.unsqueeze(1) + depth - 1).expand(B, w)
         cos, sin = model.rope(g, pos)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)

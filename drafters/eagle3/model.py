@@ -7,7 +7,13 @@
 
 ``g'`` is ``g`` (``norm_before_residual=False``, SafeAILab's layout) or ``hidden_norm(g)``
 (``True``). The next draft step feeds ``y`` (pre-norm) back in place of ``g``. ``input_norm``
-exists only with ``norm_before_fc``.
+exists only with ``norm_before_fc`` (one RMSNorm over the whole concatenation, gpt-oss drafts).
+
+**EAGLE-3.1** (speculators PR #610/#670, vLLM PR #42764), two flags, both off in EAGLE-3
+checkpoints: ``fc_norm`` normalises each fused feature on its own before ``fc``,
+``fc( cat[ fc_norm_a(h_a), fc_norm_b(h_b), fc_norm_c(h_c) ] )`` (exclusive with
+``norm_before_fc``); ``norm_output`` feeds ``norm(y)`` back to the next draft step instead of ``y``
+(the logits are ``lm_head(norm(y))`` either way).
 
 **Reduced vocabulary.** ``lm_head`` scores ``draft_vocab_size`` tokens; draft id ``i`` is target
 id ``i + d2t[i]``; ``t2d`` marks the target ids the draft can propose. :meth:`Eagle3Model.full_logits`
@@ -91,13 +97,18 @@ class Eagle3Spec:
     target_hidden_size: int  # D
     draft_vocab_size: int  # Vd
     norm_before_residual: bool = False
-    norm_before_fc: bool = False
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
     own_embedding: bool = False  # carries embed_tokens; else the target's embedding is shared
     fc_bias: bool = False  # early speculators checkpoints have one
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per fused feature before fc
+    norm_output: bool = False  # EAGLE-3.1: the next draft step reads norm(y), not y
 
     def __post_init__(self) -> None:
         if len(self.layer_ids) < 1:
             raise ValueError("eagle3 needs at least one target layer id")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are exclusive (one norm over the concatenation, or one"
+                             " per feature), as in speculators")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
 
@@ -158,6 +169,8 @@ class Eagle3Model(nn.Module):
         self.embed_tokens = nn.Embedding(V, d) if spec.own_embedding else None
         width = len(spec.layer_ids) * D
         self.input_norm = LlamaRMSNorm(width, eps=cfg.rms_norm_eps) if spec.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList([LlamaRMSNorm(D, eps=cfg.rms_norm_eps) for _ in spec.layer_ids])
+                        if spec.fc_norm else None)
         self.fc = nn.Linear(width, d, bias=spec.fc_bias)
         self.layers = nn.ModuleList([Eagle3Layer(cfg, spec.norm_before_residual)])
         self.norm = LlamaRMSNorm(d, eps=cfg.rms_norm_eps)
@@ -196,7 +209,13 @@ class Eagle3Model(nn.Module):
         x = features.to(self.fc.weight.dtype)
         if self.input_norm is not None:
             x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(h) for norm, h in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(x)
+
+    def carry(self, y: Tensor) -> Tensor:
+        """What the next draft step reads in place of g: y [.., d], or norm(y) with ``norm_output``."""
+        return self.norm(y) if self.spec.norm_output else y
 
     def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.rotary(x, positions)

@@ -97,8 +97,9 @@ def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, 
         if s > 0:
             idx = anchors + s + 1  # input token index
             emb = embed(tokens[idx.clamp(max=T - 1)].unsqueeze(0)).to(dt)
-            cos, sin = model.rope(y, (anchors + s).unsqueeze(0))
-            q, k, v, res = layer.qkv(emb, y, cos, sin)
+            g = model.carry(y)  # step s reads step s-1's output as decoding does
+            cos, sin = model.rope(g, (anchors + s).unsqueeze(0))
+            q, k, v, res = layer.qkv(emb, g, cos, sin)
             keys.append(k)
             values.append(v)
             diag.append(torch.eye(A, dtype=torch.bool, device=dev))
@@ -133,6 +134,8 @@ class Eagle3Options:
     decay: float = 0.8  # step s weighs decay**s
     layer_ids: list[int] | None = None  # target layer inputs fused; None: EAGLE-3's (2, L//2, L-3)
     verifier: str = ""  # the target as the speculators config names it (a hub id or a path)
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per fused feature before fc
+    norm_output: bool = False  # EAGLE-3.1: each TTT step (and draft step) reads the previous one's norm(y)
 
 
 class Eagle3Recipe(Recipe):
@@ -153,7 +156,9 @@ class Eagle3Recipe(Recipe):
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "eagle3 trains for a target"
         d2t, t2d = vocab_map(token_counts(data.train, target.vocab_size), self.options.draft_vocab)
-        spec = Eagle3Spec(self.layer_ids(target), target.hidden_size, self.options.draft_vocab, norm_before_residual=True)
+        o = self.options
+        spec = Eagle3Spec(self.layer_ids(target), target.hidden_size, o.draft_vocab, norm_before_residual=True,
+                          fc_norm=o.fc_norm, norm_output=o.norm_output)
         model = Eagle3Model(draft_layer_config(target), spec)
         with torch.no_grad():
             model.d2t.copy_(d2t)

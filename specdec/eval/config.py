@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 
+from specdec.policy import POLICIES
 from specdec.sampling import SamplingParams
 
 __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RooflineConfig",
-           "RunConfig", "DATASETS", "HF_METHODS", "MODES", "check_keys"]
+           "RunConfig", "Method", "DATASETS", "HF_METHODS", "MODES", "POLICY_NAMES", "check_keys"]
 
 # what a run does: "decode" runs the dataset through every method (specdec.eval.runner); "roofline"
 # times the target forward against this machine's limits (specdec.eval.roofline)
@@ -35,6 +36,15 @@ HF_METHODS: dict[str, str | None] = {
     "dflash": "specdec.drafters.dflash.peer:transformers_peer",  # the DFlash candidate generator, same weights
     "gemma_mtp": "specdec.drafters.gemma_mtp.peer:transformers_peer",  # the Gemma-4 assistant, same weights
 }
+
+
+# draft-length policies (specdec.policy): "fixed" verifies every proposed node (k), "adaptive" as many as pay
+POLICY_NAMES = ("fixed", *POLICIES)
+
+
+def _check_policy(key: str, policy: str | None) -> None:
+    if policy is not None and policy not in POLICY_NAMES:
+        raise ValueError(f"{key} must be one of {', '.join(POLICY_NAMES)}, got {policy!r}")
 
 
 @dataclass
@@ -74,6 +84,7 @@ class DatasetConfig:
     shuffle: bool = False  # shuffle (seeded by the run seed) before taking num_prompts
     ignore_eos: bool = False  # generate exactly output_len tokens (the usual throughput setting)
     max_prompt_len: int = 1024  # sharegpt: drop longer prompts (SGLang's filter)
+    repeats: int = 1  # the prompts asked this many times, all of them then all again (agents repeating tasks)
 
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
@@ -86,6 +97,8 @@ class DatasetConfig:
             raise ValueError(f"dataset.range_ratio must lie in [0, 1], got {self.range_ratio}")
         if self.turns < 1:
             raise ValueError(f"dataset.turns must be >= 1, got {self.turns}")
+        if self.repeats < 1:
+            raise ValueError(f"dataset.repeats must be >= 1, got {self.repeats}")
         if self.output_len is None and self.name != "sharegpt":
             raise ValueError("dataset.output_len=None (the recorded reply's length) exists for sharegpt only")
         if self.name == "specbench" and not self.path:
@@ -100,6 +113,15 @@ class MethodConfig:
     drafter: str | None = None  # a key of specdec.drafters.DRAFTERS; None = the run's drafter
     options: dict[str, Any] = field(default_factory=dict)  # over the run's drafter options if the same drafter
     k: list[int] = field(default_factory=list)  # one method per k ("<key> k=<k>" if several); [] = the run's k
+    policy: str | None = None  # draft-length policy (POLICY_NAMES); None = the run's
+
+
+class Method(NamedTuple):
+    """One speculative method of a run, as it runs."""
+
+    drafter: DrafterConfig
+    k: int  # draft tokens (tree depth) asked of the drafter per step
+    policy: str  # "fixed": every proposed node verified; "adaptive": specdec.policy.AdaptivePolicy
 
 
 @dataclass
@@ -150,6 +172,7 @@ class RunConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     sampling: SamplingParams = field(default_factory=SamplingParams)  # its seed, if set, replaces `seed`
     num_speculative_tokens: int = 4  # k: draft tokens (tree nodes) per step
+    policy: str = "fixed"  # how many of the k drafts each row verifies per step: POLICY_NAMES
     concurrency: int = 1  # requests decoded together as one batch
     seed: int = 0  # request i samples with seed + i; the random dataset and shuffling use it too
     baseline: bool = True  # also decode autoregressively in the same run (speedups need it)
@@ -170,25 +193,27 @@ class RunConfig:
         unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
         if unknown:
             raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(HF_METHODS)}")
+        _check_policy("policy", self.policy)
         for key, m in self.methods.items():
+            _check_policy(f"methods.{key}.policy", m.policy)
             if m.drafter is None and self.drafter.name is None:
                 raise ValueError(f"methods.{key} names no drafter and the run has none: set methods.{key}.drafter")
             if any(k < 1 for k in m.k):
                 raise ValueError(f"methods.{key}.k must be >= 1, got {m.k}")
 
-    def speculative_methods(self) -> dict[str, tuple[DrafterConfig, int]]:
-        """Every speculative method, in order: its name -> (its drafter, its k). Without ``methods``,
-        the run's drafter at ``num_speculative_tokens`` as ``spec`` (none without a drafter)."""
+    def speculative_methods(self) -> dict[str, Method]:
+        """Every speculative method, in order: its name -> (its drafter, its k, its policy). Without
+        ``methods``, the run's drafter at ``num_speculative_tokens`` as ``spec`` (none without a drafter)."""
         if not self.methods:
-            return {"spec": (self.drafter, self.num_speculative_tokens)} if self.drafter.name else {}
-        out: dict[str, tuple[DrafterConfig, int]] = {}
+            return {"spec": Method(self.drafter, self.num_speculative_tokens, self.policy)} if self.drafter.name else {}
+        out: dict[str, Method] = {}
         for key, m in self.methods.items():
             same = m.drafter in (None, self.drafter.name)
             drafter = DrafterConfig(m.drafter or self.drafter.name, {**(self.drafter.options if same else {}),
                                                                      **m.options})
             ks = m.k or [self.num_speculative_tokens]
             for k in ks:
-                out[key if len(ks) == 1 else f"{key} k={k}"] = (drafter, k)
+                out[key if len(ks) == 1 else f"{key} k={k}"] = Method(drafter, k, m.policy or self.policy)
         return out
 
     @property

@@ -25,7 +25,7 @@ import json
 import random
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specdec.eval.config import DatasetConfig
@@ -48,6 +48,7 @@ class Sample:
     turns: list[str] = field(default_factory=list)  # user messages (text datasets)
     prompt_ids: list[int] | None = None  # random: the prompt itself, as token ids
     category: str = ""
+    repeat: int = 0  # 0: the prompt's first time; r: its (r+1)-th (dataset.repeats)
 
 
 def packaged_file(name: str) -> Path:
@@ -186,7 +187,13 @@ def _stdlib(cfg: DatasetConfig, tokenizer) -> list[Sample]:
 
 
 def load_dataset(cfg: DatasetConfig, tokenizer=None, vocab_size: int | None = None, seed: int = 0) -> list[Sample]:
-    """The first ``cfg.num_prompts`` samples of the dataset (shuffled with ``seed`` if asked)."""
+    """The first ``cfg.num_prompts`` samples of the dataset (shuffled with ``seed`` if asked), all of
+    them ``cfg.repeats`` times in a row (a repeat's id gets ``#<r+1>``)."""
+    samples = _load(cfg, tokenizer, vocab_size, seed)
+    return [s if r == 0 else replace(s, id=f"{s.id}#{r + 1}", repeat=r) for r in range(cfg.repeats) for s in samples]
+
+
+def _load(cfg: DatasetConfig, tokenizer, vocab_size: int | None, seed: int) -> list[Sample]:
     rng = random.Random(seed) if cfg.shuffle else None
     if cfg.name == "random":
         if vocab_size is None:

@@ -8,7 +8,9 @@ Methods (keys of ``summary`` and the ``method`` field of every JSONL record):
 
 - ``ar``: this library's loop with no drafter, the baseline (``baseline=True`` or no drafter);
 - ``spec``: the configured drafter and verifier, ``k = num_speculative_tokens``; or, with ``methods``,
-  one method per entry and k (``<key>`` or ``<key> k=<k>``), each its own drafter and options;
+  one method per entry and k (``<key>`` or ``<key> k=<k>``), each its own drafter, options and
+  draft-length policy (``policy: adaptive``: one :class:`~specdec.policy.AdaptivePolicy` per method,
+  which keeps what it measured from batch to batch);
 - ``hf_generate`` and the peers ``hf_<name>`` of ``hf_compare``: ``model.generate()`` plain, or with
   the keyword arguments the peer's hook returns (:data:`~specdec.eval.config.HF_METHODS`: it lives in
   the mirrored drafter's room and gets the first speculative method's drafter and k); batch 1, as
@@ -45,6 +47,7 @@ from specdec.eval.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
+from specdec.policy import make_policy
 from specdec.provenance import git_sha
 from specdec.registry import drafter_class
 from specdec.sampling import SamplingParams
@@ -52,7 +55,7 @@ from specdec.target import Target
 from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
-           "predicted_speedup", "summary_markdown", "lossy_mark", "git_sha", "write_config"]
+           "predicted_speedup", "summary_markdown", "lossy_mark", "k_label", "by_group", "git_sha", "write_config"]
 
 
 def build_target(cfg: TargetConfig) -> Target:
@@ -109,10 +112,13 @@ class Job:
 BatchFn = Callable[[list[Job]], tuple[list[dict], RunMetrics | None]]
 
 
-def _loop_method(target: Target, drafter: Drafter | None, verifier: Verifier, k: int, eos: set[int]) -> BatchFn:
+def _loop_method(target: Target, drafter: Drafter | None, verifier: Verifier, k: int, eos: set[int],
+                 policy: str = "fixed") -> BatchFn:
+    chooser = make_policy(policy)  # one per method: it learns costs and acceptance over the batches
+
     def fn(jobs: list[Job]) -> tuple[list[dict], RunMetrics | None]:
         res = run(target, drafter, verifier, [Request(j.prompt, j.max_new_tokens, j.sampling) for j in jobs], k=k,
-                  eos_token_ids=eos)
+                  eos_token_ids=eos, policy=chooser)
         records = []
         for r in res.requests:
             m = r.metrics
@@ -216,26 +222,27 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
     eos = set() if cfg.dataset.ignore_eos else target.eos_token_ids
     verifier = make_verifier(cfg.verifier.name, **cfg.verifier.options)
     built: dict[int, Drafter | None] = {}  # one drafter per methods entry, shared by its k values
-    spec: dict[str, tuple[DrafterConfig, Drafter | None, int]] = {}
-    for name, (dcfg, k) in cfg.speculative_methods().items():
+    spec: dict[str, tuple[DrafterConfig, Drafter | None, int, str]] = {}
+    for name, (dcfg, k, policy) in cfg.speculative_methods().items():
         if id(dcfg) not in built:
             built[id(dcfg)] = build_drafter(dcfg, cfg.target, target)
-        spec[name] = (dcfg, built[id(dcfg)], k)
+        spec[name] = (dcfg, built[id(dcfg)], k, policy)
 
     methods: dict[str, BatchFn] = {}
-    info: dict[str, tuple[str | None, int, bool]] = {}  # method -> (drafter name, k, lossless)
+    info: dict[str, tuple[str | None, int, bool, str | None]] = {}  # method -> (drafter name, k, lossless, policy)
     baselines: dict[str, str] = {}
     if cfg.baseline or not spec:
         methods["ar"] = _loop_method(target, None, verifier, cfg.num_speculative_tokens, eos)
-        info["ar"] = (None, 0, verifier.lossless)
-    for name, (dcfg, drafter, k) in spec.items():
-        methods[name], info[name] = _loop_method(target, drafter, verifier, k, eos), (dcfg.name, k, verifier.lossless)
+        info["ar"] = (None, 0, verifier.lossless, None)
+    for name, (dcfg, drafter, k, policy) in spec.items():
+        methods[name] = _loop_method(target, drafter, verifier, k, eos, policy)
+        info[name] = (dcfg.name, k, verifier.lossless, policy)
         baselines[name] = "ar"
-    peer_cfg, peer, peer_k = next(iter(spec.values()), (DrafterConfig(), None, cfg.num_speculative_tokens))
+    peer_cfg, peer, peer_k, _ = next(iter(spec.values()), (DrafterConfig(), None, cfg.num_speculative_tokens, None))
     for kind in cfg.hf_compare:
         name = f"hf_{kind}"
         methods[name] = _hf_method(target, peer_kwargs(kind, target, peer, peer_k), eos)
-        info[name] = (None, 0, True) if kind == "generate" else (peer_cfg.name, peer_k, True)  # transformers: exact
+        info[name] = (None, 0, True, None) if kind == "generate" else (peer_cfg.name, peer_k, True, None)  # exact
         baselines[name] = "hf_generate" if kind != "generate" and "generate" in cfg.hf_compare else "ar"
 
     base_seed = cfg.request_seed_base
@@ -272,6 +279,7 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
                     prompts[name, j.index] = j.prompt
                     records.append({"method": name, "request": j.index, "sample": j.sample, "turn": turn,
                                     "id": samples[j.sample].id, "category": samples[j.sample].category,
+                                    "repeat": samples[j.sample].repeat,
                                     "batch": b0 // cfg.concurrency, "seed": j.sampling.seed, **rec, "text": text})
                 bar.update(len(jobs))
     bar.close()
@@ -309,9 +317,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], baselines: dict[str, str],
-                      info: dict[str, tuple[str | None, int, bool]], concurrency: int) -> dict[str, dict]:
-    """Per method (``info``: its drafter name, k and whether its verifier keeps the target's
-    distribution) the measurements of ``summary.json``."""
+                      info: dict[str, tuple[str | None, int, bool, str | None]], concurrency: int) -> dict[str, dict]:
+    """Per method (``info``: its drafter name, k, whether its verifier keeps the target's
+    distribution, and its draft-length policy) the measurements of ``summary.json``."""
     out: dict[str, dict] = {}
     for name in runs:
         recs = [r for r in records if r["method"] == name]
@@ -319,7 +327,7 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
         tpot = [r["tpot_s"] for r in recs if r["new_tokens"] > 1]
         new_tokens = sum(r["new_tokens"] for r in recs)
         s: dict[str, Any] = {"method": name, "drafter": info[name][0], "k": info[name][1], "lossless": info[name][2],
-                             "requests": len(recs),
+                             "policy": info[name][3], "requests": len(recs),
                              "new_tokens": new_tokens, "concurrency": concurrency if runs[name] else 1,
                              "ttft_mean_s": statistics.fmean(ttft),
                              "tpot_mean_s": statistics.fmean(tpot) if tpot else 0.0,
@@ -362,11 +370,39 @@ def summarize_methods(records: list[dict], runs: dict[str, list[RunMetrics]], ba
             target_step = b["target_s"] / b["batch_steps"] if b["batch_steps"] else 0.0  # one plain decoding step
             s["draft_cost_vs_target_step"] = s["draft_s_per_token"] / target_step if target_step else 0.0
         s["identical_to_baseline"] = _identical(records, name, base)
+    if len({_group(r) for r in records}) > 1:
+        for name, s in out.items():
+            s["by_group"] = by_group(records, name, baselines.get(name))
     if "hf_generate" in out:  # every method against plain transformers generate()
         ref = out["hf_generate"]
         for name, s in out.items():
             s["identical_to_hf_generate"] = _identical(records, name, "hf_generate")
             s["speedup_vs_hf_generate"] = s["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else 0.0
+    return out
+
+
+def _group(record: dict) -> str:
+    """A request's group: its category, and which pass it is when the dataset repeats its prompts."""
+    label = record.get("category") or "-"
+    return f"{label}, pass {record['repeat'] + 1}" if record.get("repeat") else label
+
+
+def by_group(records: list[dict], method: str, base: str | None) -> dict[str, dict]:
+    """Per group of requests (:func:`_group`): mean accepted length and, against ``base``, the
+    latency speedup (the group's summed baseline latencies over its summed latencies)."""
+    mine = [r for r in records if r["method"] == method]
+    ref = {r["request"]: r for r in records if r["method"] == base}
+    out: dict[str, dict] = {}
+    for g in sorted({_group(r) for r in mine}):
+        rs = [r for r in mine if _group(r) == g]
+        d: dict[str, Any] = {"requests": len(rs), "new_tokens": sum(r["new_tokens"] for r in rs)}
+        steps = sum(r.get("steps", 0) for r in rs)
+        if steps:
+            d["mean_accepted_length"] = (sum(r["accepted"] for r in rs) + steps) / steps
+        lat = sum(r["latency_s"] for r in rs)
+        if ref and lat:
+            d["latency_speedup"] = sum(ref[r["request"]]["latency_s"] for r in rs) / lat
+        out[g] = d
     return out
 
 
@@ -428,9 +464,18 @@ def _describe(cfg: RunConfig) -> str:
     d, t = cfg.dataset, cfg.target
     opts = f" {cfg.drafter.options}" if cfg.drafter.options else ""
     methods = f", methods {', '.join(f'`{m}`' for m in cfg.methods)}" if cfg.methods else ""
+    policy = f" ({cfg.policy} policy)" if cfg.policy != "fixed" else ""
+    repeats = f" x {d.repeats}" if d.repeats > 1 else ""
     return (f"target `{t.model}` ({t.dtype}), drafter `{cfg.drafter.name or 'none'}`{opts}{methods},"
-            f" verifier `{cfg.verifier.name}`, k = {cfg.num_speculative_tokens}, concurrency = {cfg.concurrency},"
-            f" dataset `{d.name}` ({d.num_prompts} prompts), temperature {cfg.sampling.temperature}, seed {cfg.seed}")
+            f" verifier `{cfg.verifier.name}`, k = {cfg.num_speculative_tokens}{policy}, concurrency = {cfg.concurrency},"
+            f" dataset `{d.name}` ({d.num_prompts} prompts{repeats}), temperature {cfg.sampling.temperature}, seed {cfg.seed}")
+
+
+def k_label(s: dict) -> str:
+    """The k column: k, or "≤k (adaptive)" when a policy chose how many of the k drafts to verify."""
+    if not s.get("k"):
+        return "-"
+    return f"≤{s['k']} ({s['policy']})" if s.get("policy") not in (None, "fixed") else str(s["k"])
 
 
 def lossy_mark(s: dict) -> str:
@@ -456,12 +501,23 @@ def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> 
     for name, s in summary.items():
         ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
         lines.append(
-            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {s['k'] or '-'} | {s['requests']} | {s['new_tokens']}"
+            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {k_label(s)} | {s['requests']} | {s['new_tokens']}"
             f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
             f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
             f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
             f" | {f(s.get('predicted_speedup'), '.2f')} | {f(s.get('mean_accepted_length'), '.2f')} | {ident} |"
             + (f" {s['speedup_vs_hf_generate']:.2f} | {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
+    grouped = {n: s for n, s in summary.items() if "by_group" in s and "baseline" in s}
+    if grouped:
+        groups = list(next(iter(grouped.values()))["by_group"])
+        lines += ["", "Per group (category; \"pass 2\": the same prompts asked again): mean accepted length,"
+                  " and latency speedup over the baseline (summed latencies):", "",
+                  "| group | " + " | ".join(f"{n} acc. len | {n} speedup" for n in grouped) + " |",
+                  "|---|" + "---:|---:|" * len(grouped)]
+        for g in groups:
+            cells = [(s["by_group"].get(g, {}).get("mean_accepted_length"), s["by_group"].get(g, {}).get("latency_speedup"))
+                     for s in grouped.values()]
+            lines.append(f"| {g} | " + " | ".join(f"{f(a, '.2f')} | {f(x, '.2f')}" for a, x in cells) + " |")
     loop = {n: s for n, s in summary.items() if "prefill_s" in s}
     drafting = {n: s for n, s in loop.items() if s.get("acceptance_at")}
     if drafting:

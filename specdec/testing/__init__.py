@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
+from specdec.policy import DraftPolicy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal
@@ -101,19 +102,20 @@ class GofResult:
 @torch.inference_mode()
 def sampled_gof(target: Target, drafter: Drafter | None, verifier: Verifier, prompt: list[int],
                 sampling: SamplingParams, n_samples: int = 3000, positions: int = 3, k: int = 3,
-                min_group: int = 150, batch: int = 1000) -> GofResult:
+                min_group: int = 150, batch: int = 1000, policy: DraftPolicy | None = None) -> GofResult:
     """χ² of every emitted position against the target's exact conditional distribution.
 
     Position 1 is tested against p(· | prompt); position j > 1 against p(· | prompt, prefix) for
     every sampled prefix seen at least ``min_group`` times. Seeds are fixed (row i uses seed i),
     so the result is reproducible; callers apply a multiple-comparison correction to ``min_p``.
+    ``policy`` (a draft-length policy) is handed to every run.
     """
     rows = []
     for lo in range(0, n_samples, batch):
         reqs = [Request(list(prompt), positions, SamplingParams(sampling.temperature, sampling.top_k,
                                                                  sampling.top_p, seed=lo + i))
                 for i in range(min(batch, n_samples - lo))]
-        res = run(target, drafter, verifier, reqs, k=k, eos_token_ids=set())
+        res = run(target, drafter, verifier, reqs, k=k, eos_token_ids=set(), policy=policy)
         rows += [r.tokens for r in res.requests]
     samples = torch.tensor(rows)
     rs = RowSampling([sampling])

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import specdec
 from specdec import SamplingParams
 from specdec.loop import Request, run
+from specdec.policy import AdaptivePolicy, StepCosts
 from specdec.testing import Recording, assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
 from specdec.verifiers import GreedyVerifier, RejectionVerifier, TypicalVerifier
 
@@ -40,6 +41,15 @@ OTHER = [3, 1, 4, 1, 5]  # its greedy continuation never meets PROMPT's third gr
 prompts_st = st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), min_size=1, max_size=3)
 
 
+def adaptive_policy() -> AdaptivePolicy:
+    """The adaptive policy with fixed costs, so its choices are reproducible: a block of t tokens
+    costs √t, the same trade-off at any batch size (one more node per row pays only when its
+    expected gain beats the step's cost growth), so drafters of different acceptance get 0, some
+    or all of their drafts verified, plus a probe of the whole draft every few idle steps."""
+    tokens = [2 ** i for i in range(16)]
+    return AdaptivePolicy(costs=StepCosts(tokens, [t ** 0.5 for t in tokens], [1], [0.0]), probe_every=2)
+
+
 # --- greedy -----------------------------------------------------------------------------------
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=prompts_st, k=st.integers(1, 5), verifier=st.sampled_from([GreedyVerifier, RejectionVerifier]))
@@ -47,6 +57,18 @@ def test_greedy_equals_target_greedy(drafter_case, target, prompts, k, verifier)
     _, drafter = drafter_case
     n = 12
     res = run(target, drafter, verifier(), [Request(p, n) for p in prompts], k=k, eos_token_ids=set())
+    for p, r in zip(prompts, res.requests):
+        ref, logits = greedy_reference(target.model, p, n)
+        assert_greedy_equivalent(r.tokens, ref, logits)
+
+
+@pytest.mark.parametrize("verifier", [GreedyVerifier, RejectionVerifier])
+def test_greedy_equals_target_greedy_with_the_adaptive_policy(drafter_case, target, verifier):
+    """Drafts shortened per row and step by the adaptive policy (:mod:`specdec.policy`)."""
+    _, drafter = drafter_case
+    prompts, n = [[1, 2, 3, 4, 1, 2, 3], [5, 6], [7, 8, 9, 7, 8, 9, 7]], 16
+    res = run(target, drafter, verifier(), [Request(p, n) for p in prompts], k=4, eos_token_ids=set(),
+              policy=adaptive_policy())
     for p, r in zip(prompts, res.requests):
         ref, logits = greedy_reference(target.model, p, n)
         assert_greedy_equivalent(r.tokens, ref, logits)
@@ -67,6 +89,14 @@ def test_sampled_matches_target_distribution(drafter_case, target, sampling):
     bound = ALPHA / (len(r.pvalues) * len(SETTINGS))
     worst = min(zip(r.pvalues, r.tests))
     assert worst[0] > bound, f"output is not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
+
+
+def test_sampled_matches_target_distribution_with_the_adaptive_policy(drafter_case, target):
+    _, drafter = drafter_case
+    r = sampled_gof(target, drafter, RejectionVerifier(), PROMPT, SETTINGS[0], n_samples=4000, policy=adaptive_policy())
+    assert len(r.pvalues) >= 3, "too few conditional tests: the suite would prove nothing"
+    worst = min(zip(r.pvalues, r.tests))
+    assert worst[0] > ALPHA / len(r.pvalues), f"output is not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
 
 
 def test_goodness_of_fit_catches_a_lossy_verifier(target):

@@ -1,0 +1,336 @@
+"""Draft-length policies: how many of the proposed nodes each row verifies, decided per step.
+
+The loop hands a policy every proposal before the target runs; the policy may only lower each
+row's ``num_valid``. Verifying a prefix of a draft is verifying a shorter draft, and the choice is
+made before the target's logits or the verifier's random numbers exist, so any policy is lossless
+by construction (the conformance suite checks it: :mod:`specdec.testing.conformance`). A drafter
+needs nothing to take part.
+
+:class:`AdaptivePolicy` maximises the step's expected tokens per second,
+
+    Θ(w) = Σ_r τ_r(w) / (draft_s(B) + verify_s(B · (1 + w))),   τ_r(w) = 1 + Σ_{d ≤ d_r(w)} s_{r,d}
+
+over the block width ``w`` (this loop verifies a rectangular block of ``B`` rows and ``1 + w``
+tokens: a row shorter than ``w`` saves nothing, so each row keeps every level of its draft that
+fits). ``s_{r,d}`` is the probability that row ``r`` accepts ``d`` or more drafts:
+
+- for a chain whose drafter reports a confidence (``DraftProposal.confidence``, DSpark's head) or
+  a q (the q of the drafted token), the product of those per-node values, each calibrated online
+  (acceptance observed per confidence bin, shrunk towards the reported value);
+- otherwise (deterministic drafts, trees) the row's running acceptance per depth, shrunk towards
+  the policy's global running acceptance per depth.
+
+Trees are cut by levels: a row keeps the leading nodes of depth ≤ d. Costs are a
+:class:`StepCosts` table (profiled) or, by default, :class:`MeasuredCosts`: the loop's own timings
+of each step, where a block size never measured is assumed as cheap as the data allow (so the
+policy tries it once and learns). When drafting cannot pay, the policy verifies nothing (``w = 0``,
+plain decoding; the draft pass is still paid, as the policy decides after it) and re-probes the
+whole draft after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from specdec.types import DraftProposal, node_depths
+
+__all__ = ["Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "best_lengths", "make_policy",
+           "POLICIES"]
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear in x, extrapolated linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0] * max(x, 1.0) / max(xs[0], 1.0)
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+class Costs(Protocol):
+    """Seconds of one step's parts: a target forward over ``tokens`` block tokens (verification
+    included), and one draft pass (propose + observe) over ``rows`` rows."""
+
+    def verify(self, tokens: float) -> float: ...
+
+    def draft(self, rows: float) -> float: ...
+
+
+@dataclass
+class StepCosts:
+    """A profiled table: ``verify_s[i]`` for a target forward over ``verify_tokens[i]`` tokens in
+    total, ``draft_s[i]`` for one draft pass over ``draft_rows[i]`` rows. Both ascending."""
+
+    verify_tokens: list[int]
+    verify_s: list[float]
+    draft_rows: list[int]
+    draft_s: list[float]
+
+    def __post_init__(self) -> None:
+        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_rows, self.draft_s, "draft")):
+            if not xs or len(xs) != len(ys):
+                raise ValueError(f"{name} table needs matching, non-empty sizes and times")
+            if list(xs) != sorted(set(xs)) or min(xs) < 0 or min(ys) < 0:
+                raise ValueError(f"{name} sizes must be strictly ascending and times non-negative")
+
+    @classmethod
+    def linear(cls, per_token: float, fixed: float, draft: float) -> StepCosts:
+        """A synthetic table: a verify forward over ``n`` tokens costs ``fixed + per_token·n``
+        seconds, a draft pass ``draft`` whatever its rows (what-if studies, and tests that need
+        the scheduler to draft whatever this machine measures)."""
+        return cls([1, 2], [fixed + per_token, fixed + 2 * per_token], [1, 2], [draft, draft])
+
+    def verify(self, tokens: float) -> float:
+        return _interp([float(x) for x in self.verify_tokens], self.verify_s, float(tokens))
+
+    def draft(self, rows: float) -> float:
+        return _interp([float(x) for x in self.draft_rows], self.draft_s, float(rows))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCosts:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+class MeasuredCosts:
+    """Step costs measured as the loop runs: a moving average per block size (verify) and per row
+    count (draft). Optimistic where nothing was measured: a larger block costs what the largest
+    measured one did, a smaller one its share of the smallest measured (proportional to tokens);
+    in between, linear interpolation. With no measurement every size costs the same."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing  # weight of a new measurement in the moving average
+        self.verify_s: dict[int, float] = {}  # block tokens -> seconds
+        self.draft_s: dict[int, float] = {}  # rows -> seconds
+
+    def record(self, rows: int, tokens: int, draft_s: float, verify_s: float) -> None:
+        for table, key, x in ((self.verify_s, tokens, verify_s), (self.draft_s, rows, draft_s)):
+            table[key] = x if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * x
+
+    def verify(self, tokens: float) -> float:
+        return self._lookup(self.verify_s, tokens)
+
+    def draft(self, rows: float) -> float:
+        return self._lookup(self.draft_s, rows) if self.draft_s else 0.0
+
+    @staticmethod
+    def _lookup(table: dict[int, float], x: float) -> float:
+        if not table:
+            return 1.0
+        xs = sorted(table)
+        if x >= xs[-1]:
+            return table[xs[-1]]
+        if x <= xs[0]:
+            return table[xs[0]] * x / xs[0]
+        return _interp([float(v) for v in xs], [table[v] for v in xs], x)
+
+
+def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
+    """Nodes each row verifies to maximise expected tokens per second of a rectangular block.
+
+    ``survival`` [B, K]: P(the row accepts ``d`` or more drafts), d = 1..K, non-increasing.
+    ``levels`` [B, K + 1]: nodes a row verifies when it keeps the draft's depths ≤ d (``levels[:, 0]
+    = 0``, non-decreasing; a chain's is ``min(d, num_valid)``). Returns [B] in ``[0, levels[:, -1]]``;
+    among equal throughputs, the fewest tokens.
+    """
+    B, K = survival.shape
+    levels = levels.long()
+    n = int(levels[:, -1].max()) if B else 0
+    widths = torch.arange(n + 1)
+    # deepest level of each row that fits in each width [n+1, B]: levels that add nodes (a row's
+    # levels past its deepest node add none) and fit
+    adds = levels[:, 1:] > levels[:, :-1]  # [B, K]
+    depth = ((levels[:, 1:].unsqueeze(0) <= widths.view(-1, 1, 1)) & adds).sum(-1)
+    kept = levels.gather(1, depth.T).T  # [n+1, B] nodes each row verifies at that width
+    gain = torch.cat([survival.new_zeros(B, 1), survival.double().cumsum(1)], 1)  # [B, K+1]
+    tau = B + gain.gather(1, depth.T).T.sum(1)  # [n+1] expected tokens of the step
+    block = kept.max(1).values  # [n+1] the block width actually needed
+    step = torch.tensor([costs.verify(B * (1 + int(w))) for w in block.tolist()], dtype=torch.float64)
+    theta = tau / (step + costs.draft(B)).clamp(min=1e-12)
+    best = int(torch.nonzero(theta >= theta.max() * (1 - 1e-12))[0])
+    return kept[best]
+
+
+class DraftPolicy(ABC):
+    """Decides, per row and per step, how many of the proposed nodes to verify. It sees the
+    proposal and may only lower ``num_valid``; its state spans one run of the loop (per request),
+    anything it keeps on itself spans every run it is handed to."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def start(self, batch: int, k: int) -> Any:
+        """Per-run state for ``batch`` requests drafted at up to ``k``."""
+
+    @abstractmethod
+    def choose(self, state: Any, proposal: DraftProposal, requests: Tensor) -> Tensor:
+        """``num_valid`` [B] for this step, each at most the proposal's; ``requests`` [B] are the
+        rows' request indices in the run (rows leave the batch as they finish)."""
+
+    def observe(self, state: Any, proposal: DraftProposal, num_accepted: Tensor, requests: Tensor,
+                draft_s: float, verify_s: float) -> None:
+        """What the step verified (``proposal`` as trimmed, with the chosen ``num_valid``), accepted,
+        and cost (the loop's timings in seconds). Nothing by default."""
+
+
+@dataclass
+class _RunState:
+    tested: Tensor  # [R, K] decayed count of steps a request's depth-d draft was reached (depth d-1 accepted)
+    accepted: Tensor  # [R, K] ... and accepted
+    idle: int = 0  # consecutive steps that had drafts and verified none
+    probe_gap: int = 0  # idle steps before the next probe
+
+
+class AdaptivePolicy(DraftPolicy):
+    """Expected tokens per second, maximised per step (see the module docstring)."""
+
+    name = "adaptive"
+    BINS: ClassVar[int] = 10  # confidence calibration bins over [0, 1]
+
+    def __init__(self, costs: Costs | None = None, prior: float = 0.5, prior_weight: float = 2.0,
+                 memory: float = 0.9, global_memory: float = 0.99, probe_every: int = 4, max_probe_gap: int = 64):
+        if not 0 < prior <= 1 or prior_weight <= 0 or not 0 < memory <= 1 or not 0 < global_memory <= 1:
+            raise ValueError("AdaptivePolicy needs 0 < prior <= 1, prior_weight > 0 and memories in (0, 1]")
+        if not 1 <= probe_every <= max_probe_gap:
+            raise ValueError(f"AdaptivePolicy needs 1 <= probe_every <= max_probe_gap, got {probe_every}, {max_probe_gap}")
+        self.costs = costs if costs is not None else MeasuredCosts()
+        self.prior, self.prior_weight = prior, prior_weight  # acceptance before any observation, and its weight
+        self.memory, self.global_memory = memory, global_memory  # per-step decay of a request's / all counts
+        self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
+        self.tested = torch.zeros(0, dtype=torch.float64)  # [K] over every request seen: the shrinkage target
+        self.accepted = torch.zeros(0, dtype=torch.float64)
+        self.cal_tested = torch.zeros(self.BINS, dtype=torch.float64)  # per confidence bin
+        self.cal_accepted = torch.zeros(self.BINS, dtype=torch.float64)
+
+    def start(self, batch: int, k: int) -> _RunState:
+        z = torch.zeros(batch, k, dtype=torch.float64)
+        return _RunState(z, z.clone(), probe_gap=self.probe_every)
+
+    # --- choosing ---------------------------------------------------------------------------
+    def choose(self, state: _RunState, proposal: DraftProposal, requests: Tensor) -> Tensor:
+        assert proposal.num_valid is not None
+        if proposal.n == 0:
+            return proposal.num_valid
+        depth, levels, K = self._levels(proposal)
+        self._grow(state, K)
+        conf = self._confidence(proposal)
+        if conf is not None:  # chain: node j is depth j + 1
+            c = self._calibrated(conf)[:, :K]
+        else:
+            c = self._acceptance(state, requests)[:, :K]
+        lengths = best_lengths(c.cumprod(1), levels, self.costs)
+        if int(lengths.max()) == 0 and int(levels[:, -1].max()) > 0:  # drafting does not pay: probe now and then
+            state.idle += 1
+            if state.idle >= state.probe_gap:
+                state.idle, state.probe_gap = 0, min(2 * state.probe_gap, self.max_probe_gap)
+                lengths = levels[:, -1]
+        elif int(lengths.max()) > 0:
+            state.idle, state.probe_gap = 0, self.probe_every
+        return torch.minimum(lengths.to(proposal.num_valid.device), proposal.num_valid)
+
+    @staticmethod
+    def _levels(proposal: DraftProposal) -> tuple[Tensor, Tensor, int]:
+        """Node depths [B, n] and, per row, the nodes kept when keeping depths ≤ d: the leading
+        nodes before the first deeper one, within ``num_valid``. [B, K + 1] with K the max depth."""
+        assert proposal.num_valid is not None
+        depth = node_depths(proposal.parents).cpu()  # [B, n]
+        nv = proposal.num_valid.cpu()
+        valid = torch.arange(proposal.n).unsqueeze(0) < nv.unsqueeze(1)
+        depth = torch.where(valid, depth, 0)
+        K = int(depth.max())
+        run_max = torch.where(valid, depth.cummax(1).values, K + 1)  # [B, n], padding past every level
+        levels = (run_max.unsqueeze(1) <= torch.arange(K + 1).view(1, -1, 1)).sum(-1)  # [B, K+1]
+        return depth, levels, K
+
+    @staticmethod
+    def _confidence(proposal: DraftProposal) -> Tensor | None:
+        """Per-node confidence of a chain [B, n] (the drafter's own, else q of the drafted token)."""
+        if not proposal.is_chain:
+            return None
+        if proposal.confidence is not None:
+            return proposal.confidence.detach().double().cpu().clamp(0, 1)
+        if proposal.q is not None:
+            return proposal.q.gather(-1, proposal.tokens.unsqueeze(-1)).squeeze(-1).double().cpu().clamp(0, 1)
+        return None
+
+    def _calibrated(self, conf: Tensor) -> Tensor:
+        """Acceptance observed for confidences in the same bin, shrunk towards the confidence itself."""
+        b = self._bin(conf)
+        return (self.cal_accepted[b] + self.prior_weight * conf) / (self.cal_tested[b] + self.prior_weight)
+
+    def _bin(self, conf: Tensor) -> Tensor:
+        return (conf * self.BINS).long().clamp(0, self.BINS - 1)
+
+    def _acceptance(self, state: _RunState, requests: Tensor) -> Tensor:
+        """Per-depth acceptance of each row's request, shrunk towards the global one. [B, K]"""
+        g = (self.accepted + self.prior_weight * self.prior) / (self.tested + self.prior_weight)
+        r = requests.cpu()
+        return (state.accepted[r] + self.prior_weight * g) / (state.tested[r] + self.prior_weight)
+
+    def _grow(self, state: _RunState, K: int) -> None:
+        """The run's and the global counts, both as deep as the deepest draft either has seen."""
+        K = max(K, state.tested.shape[1], self.tested.numel())
+        pad = torch.zeros(state.tested.shape[0], K - state.tested.shape[1], dtype=torch.float64)
+        state.tested, state.accepted = torch.cat([state.tested, pad], 1), torch.cat([state.accepted, pad], 1)
+        pad = torch.zeros(K - self.tested.numel(), dtype=torch.float64)
+        self.tested, self.accepted = torch.cat([self.tested, pad]), torch.cat([self.accepted, pad])
+
+    # --- learning -----------------------------------------------------------------------------
+    def observe(self, state: _RunState, proposal: DraftProposal, num_accepted: Tensor, requests: Tensor,
+                draft_s: float, verify_s: float) -> None:
+        assert proposal.num_valid is not None
+        B = proposal.tokens.shape[0]
+        if isinstance(self.costs, MeasuredCosts):
+            self.costs.record(B, B * (1 + proposal.n), draft_s, verify_s)
+        if proposal.n == 0:
+            return
+        depth, _, K = self._levels(proposal)
+        self._grow(state, K)
+        verified = depth.max(1).values  # [B] deepest node verified
+        acc = num_accepted.cpu()
+        d = torch.arange(1, state.tested.shape[1] + 1).unsqueeze(0)  # [1, K]
+        reached = (d <= verified.unsqueeze(1)) & (d <= acc.unsqueeze(1) + 1)  # depth d was tested
+        won = reached & (d <= acc.unsqueeze(1))
+        r, seen = requests.cpu(), verified > 0
+        decay = torch.where(seen, self.memory, 1.0).unsqueeze(1)  # only rows that verified something forget
+        state.tested[r] = state.tested[r] * decay + reached
+        state.accepted[r] = state.accepted[r] * decay + won
+        if bool(seen.any()):
+            self.tested = self.tested * self.global_memory + reached.sum(0)
+            self.accepted = self.accepted * self.global_memory + won.sum(0)
+        conf = self._confidence(proposal)
+        if conf is not None:
+            j = torch.arange(proposal.n).unsqueeze(0)
+            tried = (j < proposal.num_valid.cpu().unsqueeze(1)) & (j <= acc.unsqueeze(1))
+            b = self._bin(conf)[tried]
+            self.cal_tested = self.cal_tested * self.global_memory + torch.bincount(b, minlength=self.BINS)
+            hit = (j < acc.unsqueeze(1))[tried]
+            self.cal_accepted = self.cal_accepted * self.global_memory + torch.bincount(b[hit], minlength=self.BINS)
+
+
+POLICIES: dict[str, type[DraftPolicy]] = {"adaptive": AdaptivePolicy}
+
+
+def make_policy(spec: DraftPolicy | str | None) -> DraftPolicy | None:
+    """A policy from its name (``"adaptive"``), itself, or ``None`` / ``"fixed"``: every proposed
+    node is verified (a fixed k)."""
+    if spec is None or isinstance(spec, DraftPolicy):
+        return spec
+    if spec == "fixed":
+        return None
+    if isinstance(spec, str) and spec in POLICIES:
+        return POLICIES[spec]()
+    raise ValueError(f"policy must be 'fixed' (verify every proposed node), one of {sorted(POLICIES)},"
+                     f" a specdec.policy.DraftPolicy or None; got {spec!r}")
