@@ -23,8 +23,14 @@ def family_target(request):
     return Target(tiny_model(request.param, vocab_size=48, init_scale=0.2, seed=3))
 
 
-def test_tree_logits_equal_per_path_logits(family_target):
+@pytest.fixture(params=[True, False], ids=["fast", "general"])
+def fast(request) -> bool:
+    return request.param
+
+
+def test_tree_logits_equal_per_path_logits(family_target, fast):
     t, m = family_target, family_target.model
+    t.fast = fast
     s = t.new_session(2)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
     out, _, _ = t.prefill(s, prompts)
@@ -43,10 +49,11 @@ def test_tree_logits_equal_per_path_logits(family_target):
             torch.testing.assert_close(o.logits[b, i], ref, atol=1e-4, rtol=1e-4)
 
 
-def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target):
+def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target, fast):
     """Rows keep different paths; holes, a rollback and a compaction leave logits unchanged.
     The sequences run past gemma3's sliding window of 4, so the per-type masks are exercised."""
     t, m = family_target, family_target.model
+    t.fast = fast
     s = t.new_session(2)
     seqs = [[1, 2, 3], [4, 5]]
     t.prefill(s, seqs)
@@ -73,6 +80,33 @@ def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target)
     s.cache.select_rows(torch.tensor([1]))
     o = t.forward(s, torch.tensor([[23]]))
     torch.testing.assert_close(o.logits[0, 0], full_logits(m, seqs[1] + [23])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_chain_fast_path_equals_the_tree_path_and_the_model(family_target, fast):
+    """Equal-length prompts and whole-block commits keep the store dense, where a chain runs with
+    no mask (the model's own causal attention); a hole turns the mask back on. Every logit equals
+    a cache-free forward, with the fast paths on and off, past gemma3's sliding window of 4."""
+    t, m = family_target, family_target.model
+    t.fast = fast
+    s = t.new_session(2)
+    seqs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    out, _, _ = t.prefill(s, seqs)
+    for b in range(2):
+        torch.testing.assert_close(out.logits[b, 0], full_logits(m, seqs[b])[-1], atol=1e-4, rtol=1e-4)
+    blocks = [(torch.tensor([[9], [10]]), None), (torch.tensor([[11, 12, 13], [14, 15, 16]]), None),
+              (torch.tensor([[17, 18], [19, 20]]), torch.tensor([[1, 0], [1, 1]]).bool()),
+              (torch.tensor([[21, 22], [23, 24]]), None)]
+    for i, (tokens, keep) in enumerate(blocks):
+        assert s.cache.dense == (i < 3)  # until the hole
+        o = t.forward(s, tokens)
+        for b in range(2):
+            for j in range(tokens.shape[1]):
+                ref = full_logits(m, seqs[b] + tokens[b, : j + 1].tolist())[-1]
+                torch.testing.assert_close(o.logits[b, j], ref, atol=1e-4, rtol=1e-4)
+        t.commit(s, keep)
+        for b in range(2):
+            seqs[b] += [int(x) for j, x in enumerate(tokens[b]) if keep is None or keep[b, j]]
+    assert not s.cache.dense
 
 
 def test_captured_features_are_layer_inputs(family_target):
