@@ -14,7 +14,7 @@ from specdec.loop import Request, RunResult, run
 from specdec.metrics import GenerationSummary
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
-from specdec.target import Target
+from specdec.target import Target, set_threads
 from specdec.validate import as_prompt_batch
 from specdec.verifier import Verifier
 
@@ -22,14 +22,20 @@ __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "Generati
 
 
 def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.float32,
-                device_map: str | dict | None = None) -> Target:
-    """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder."""
+                device_map: str | dict | None = None, threads: int | None = None, compile: bool | str = False,
+                fast: bool = True) -> Target:
+    """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder.
+
+    ``threads``: torch's CPU threads (default: :func:`specdec.target.set_threads` picks them from
+    the machine unless the user already chose); ``compile`` and ``fast``: see :class:`Target`.
+    """
+    set_threads(threads)
     if isinstance(model, torch.nn.Module):  # a loaded causal LM (a transformers PreTrainedModel)
-        return Target(model, tokenizer)
+        return Target(model, tokenizer, fast=fast, compile=compile)
     from specdec.models import load_model
 
     loaded, tok = load_model(model, dtype=dtype, device_map=device_map)
-    return Target(loaded, tokenizer or tok)
+    return Target(loaded, tokenizer or tok, fast=fast, compile=compile)
 
 
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:

@@ -109,11 +109,14 @@ class TargetSession:
 class Target:
     """Wraps a causal LM; one instance serves many generations (state lives in sessions).
 
-    ``fast``: the chain fast paths (module docstring); ``compile``: the decoder through
-    ``torch.compile`` (dynamic shapes: block and cache lengths change every step).
+    ``fast``: the chain fast paths (module docstring). ``compile``: the decoder through
+    ``torch.compile`` with dynamic shapes (block and cache lengths change every step); ``True``
+    uses torch's default backend (inductor), a string names another (``"eager"`` checks the
+    tracing alone). The KV store's writes stay eager (a graph break per layer): its buffers are
+    inference tensors, which a compiled graph may not mutate.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool = False):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False):
         self.model = model.eval()
         self.fast = fast
         self.tokenizer = tokenizer
@@ -132,7 +135,8 @@ class Target:
         self.requirements = Requirements()
         self._captured: dict[int | str, Tensor] = {}
         self._hooks: list = []
-        self._decode = torch.compile(self.decoder, dynamic=True) if compile else self.decoder
+        backend = compile if isinstance(compile, str) else "inductor"
+        self._decode = torch.compile(self.decoder, dynamic=True, backend=backend) if compile else self.decoder
 
     # --- what the target hands out -------------------------------------------------------
     @property

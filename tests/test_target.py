@@ -142,3 +142,46 @@ def test_compaction_gathers_valid_slots_to_the_front():
     assert s.cache.valid.tolist() == [[True, True, True], [True, True, True]]
     assert s.cache.slot_pos.tolist() == [[0, 1, 2], [0, 1, 2]]
     assert s.cache.lengths.tolist() == [3, 3]
+
+
+def test_threads_come_from_the_machine_unless_the_user_chose(monkeypatch):
+    import specdec.target as target_module
+    from specdec.target import set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(target_module, "machine_threads", lambda: 1)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(target_module, "_THREADS_AT_IMPORT", 2)  # torch's default counted more cores
+        assert set_threads() == 1  # lowered to the machine's share
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads() == 2  # the environment chose
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(target_module, "_THREADS_AT_IMPORT", 3)  # set_num_threads(2) was called since import
+        assert set_threads() == 2
+        assert set_threads(1) == 1  # the argument wins
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow  # torch.compile (inductor) on two CPU cores: about two minutes
+def test_a_compiled_target_gives_the_eager_logits():
+    m = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
+    outs = []
+    for t in (Target(m), Target(m, compile=True)):
+        s = t.new_session(2)
+        o, _, _ = t.prefill(s, [[1, 2, 3], [4, 5, 6]])
+        logits = [o.logits]
+        for tokens, parents, keep in [(torch.tensor([[7], [8]]), None, None),
+                                      (torch.tensor([[9, 10, 11], [12, 13, 14]]), torch.tensor([[-1, 0, 0], [-1, 0, 1]]),
+                                       torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())]:
+            logits.append(t.forward(s, tokens, parents).logits)
+            t.commit(s, keep)
+        outs.append(logits)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
