@@ -100,8 +100,10 @@ def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
 def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter: Drafter | str | None = None,
              k: int = 4, verifier: Verifier | str = "rejection",
              sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
-             chat: bool = False, eos_token_ids: set[int] | None = None, **drafter_options: Any) -> GenerationResult:
-    """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively."""
+             chat: bool = False, eos_token_ids: set[int] | None = None, timed: bool = False,
+             **drafter_options: Any) -> GenerationResult:
+    """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively.
+    ``timed`` synchronises the device at every phase boundary (an exact time split on a GPU)."""
     prompts = as_prompt_batch(prompts)
     if isinstance(drafter, str):
         drafter = make_drafter(drafter, target, **drafter_options)
@@ -111,7 +113,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
     if len(params) != len(prompts):
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
     requests = [Request(_encode(target, p, chat), max_new_tokens, s) for p, s in zip(prompts, params)]
-    result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids)
+    result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids, timed=timed)
     tokens = [r.tokens for r in result.requests]
     texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if target.tokenizer else None
     summary = GenerationSummary.of([r.metrics for r in result.requests], result.metrics,
