@@ -185,3 +185,25 @@ def test_a_compiled_target_gives_the_eager_logits():
         outs.append(logits)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft_model", "random_tree"])
+def test_greedy_decoding_equals_transformers_with_fast_paths_on_and_off(fast, drafter):
+    """Equal-length prompts (a dense store: the mask-free chain path while nothing is rejected)
+    and ragged ones (masks from the start), every token equal to transformers' greedy decoding."""
+    import specdec
+    from specdec.loop import Request, run
+    from specdec.testing import RandomDrafter, greedy_reference
+    from specdec.verifiers import GreedyVerifier
+
+    model = tiny_model("llama", vocab_size=32, init_scale=0.3, seed=0)
+    t = Target(model, fast=fast)
+    for prompts in ([[3, 7, 3, 7, 3, 9], [5, 6, 7, 5, 6, 7]], [[3, 7, 3, 7], [5, 6, 7, 5, 6, 7, 1]]):
+        if drafter == "random_tree":
+            d = RandomDrafter.create(t, siblings="deterministic", branching=[2, 2])
+        elif drafter is not None:
+            d = specdec.make_drafter(drafter, t, **({"model": model} if drafter == "draft_model" else {}))
+        res = run(t, None if drafter is None else d, GreedyVerifier(), [Request(p, 12) for p in prompts], k=3,
+                  eos_token_ids=set())
+        for p, r in zip(prompts, res.requests):
+            assert r.tokens == greedy_reference(model, p, 12)[0]
