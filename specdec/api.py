@@ -15,7 +15,7 @@ from specdec.metrics import GenerationSummary
 from specdec.policy import DraftPolicy, make_policy
 from specdec.registry import drafter_class, verifier_class
 from specdec.sampling import SamplingParams
-from specdec.target import Target
+from specdec.target import Target, set_threads
 from specdec.validate import as_prompt_batch
 from specdec.verifier import Verifier
 
@@ -23,14 +23,20 @@ __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "Generati
 
 
 def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.float32,
-                device_map: str | dict | None = None) -> Target:
-    """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder."""
+                device_map: str | dict | None = None, threads: int | None = None, compile: bool | str = False,
+                fast: bool = True) -> Target:
+    """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder.
+
+    ``threads``: torch's CPU threads (default: :func:`specdec.target.set_threads` picks them from
+    the machine unless the user already chose); ``compile`` and ``fast``: see :class:`Target`.
+    """
+    set_threads(threads)
     if isinstance(model, torch.nn.Module):  # a loaded causal LM (a transformers PreTrainedModel)
-        return Target(model, tokenizer)
+        return Target(model, tokenizer, fast=fast, compile=compile)
     from specdec.models import load_model
 
     loaded, tok = load_model(model, dtype=dtype, device_map=device_map)
-    return Target(loaded, tokenizer or tok)
+    return Target(loaded, tokenizer or tok, fast=fast, compile=compile)
 
 
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
@@ -96,13 +102,15 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
              k: int = 4, verifier: Verifier | str = "rejection",
              sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
              chat: bool = False, eos_token_ids: set[int] | None = None, progress: bool | None = None,
-             policy: DraftPolicy | str | None = None, **drafter_options: Any) -> GenerationResult:
+             policy: DraftPolicy | str | None = None, timed: bool = False,
+             **drafter_options: Any) -> GenerationResult:
     """Speculative generation for one prompt or a batch; ``drafter=None`` decodes autoregressively.
 
     ``progress``: a tqdm bar of new tokens on stderr; None (default) shows it only when someone is
     watching (:func:`specdec.loop.interactive`: a terminal, not pytest or CI); True or False forces it.
     ``policy="adaptive"`` verifies, per row and step, only as many of the (up to ``k``) drafts as
-    pay (:mod:`specdec.policy`); None verifies every proposed node.
+    pay (:mod:`specdec.policy`); None verifies every proposed node. ``timed`` synchronises the
+    device at every phase boundary (an exact time split on a GPU).
     """
     prompts = as_prompt_batch(prompts)
     policy = make_policy(policy)
@@ -115,7 +123,7 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
         raise ValueError(f"{len(params)} sampling settings for {len(prompts)} prompts")
     requests = [Request(_encode(target, p, chat), max_new_tokens, s) for p, s in zip(prompts, params)]
     result = run(target, drafter, verifier, requests, k=k, eos_token_ids=eos_token_ids, progress=progress,
-                 policy=policy)
+                 policy=policy, timed=timed)
     tokens = [r.tokens for r in result.requests]
     texts = [target.tokenizer.decode(t, skip_special_tokens=True) for t in tokens] if target.tokenizer else None
     summary = GenerationSummary.of([r.metrics for r in result.requests], result.metrics,

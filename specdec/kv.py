@@ -19,8 +19,12 @@ updated in place between steps as well as inside the forwards that fill them.
 :attr:`KVStore.compact_at` of the slots are holes, every row's valid slots are gathered to the
 front (always worth it after trees, which leave siblings behind).
 
-Masks are additive 4D ``[B, 1, m, S + m]`` float masks; for models with sliding-window layers a
-dict ``{layer_type: mask}`` is built, one per type.
+Masks are additive 4D ``[B, 1, m, S + m]`` float masks, built once per block on the device and
+shared by every layer; for models with sliding-window layers a dict ``{layer_type: mask}`` is
+built, one per type. A chain (``parents=None``) needs no ancestor matrix. When the store is
+**dense** (no holes, known on the host: every commit kept its whole block since the store was
+empty) a chain needs no mask at all: slots are positions, so the model's own causal mask over
+slots is exact (``plan(None, implicit_causal=True)`` returns ``attention_mask=None``).
 """
 
 from __future__ import annotations
@@ -39,15 +43,18 @@ def ancestor_matrix(parents: Tensor) -> Tensor:
     """anc[b, i, j] is True when block token j is token i or one of its ancestors.
 
     parents [B, m] hold block-local parent indices (-1 = attached to the committed prefix).
+    Pointer doubling on the device: after round t every row holds its ancestors up to distance
+    2^t, so ceil(log2(m - 1)) rounds of one gather each suffice; no value is read on the host.
     """
     B, m = parents.shape
-    anc = torch.eye(m, dtype=torch.bool, device=parents.device).expand(B, m, m).clone()
-    for i in range(m):
-        p = parents[:, i]
-        has = p >= 0
-        if has.any():
-            rows = anc[torch.arange(B, device=parents.device), p.clamp(min=0)]  # [B, m]
-            anc[:, i] |= rows & has.unsqueeze(1)
+    idx = torch.arange(m, device=parents.device)
+    up = parents  # [B, m]: the ancestor at distance 2^t, -1 = none
+    anc = (idx.unsqueeze(1) == idx) | (up.unsqueeze(-1) == idx)  # [B, m, m]: distance <= 1
+    for _ in range(max(m - 2, 0).bit_length()):
+        has = (up >= 0).unsqueeze(-1)  # [B, m, 1]
+        hop = up.clamp(min=0)
+        anc = anc | (anc.gather(1, hop.unsqueeze(-1).expand(B, m, m)) & has)
+        up = torch.where(has.squeeze(-1), up.gather(1, hop), -1)
     return anc
 
 
@@ -55,7 +62,7 @@ def ancestor_matrix(parents: Tensor) -> Tensor:
 class BlockPlan:
     """The mask and positions for one forward of ``m`` new tokens."""
 
-    attention_mask: Tensor | dict[str, Tensor]
+    attention_mask: Tensor | dict[str, Tensor] | None  # None: the model's own causal mask is exact
     position_ids: Tensor  # [B, m]
 
 
@@ -84,6 +91,7 @@ class KVStore:
         self._keys: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dk], allocated on first write
         self._values: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dv]
         self._pending: Tensor | None = None  # positions of the block awaiting commit [B, m]
+        self.dense = True  # no holes: every slot is valid and slot index == position (host-known)
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -118,21 +126,37 @@ class KVStore:
 
     # --- one block: plan, write, commit -----------------------------------------------------
     @torch.inference_mode()
-    def plan(self, parents: Tensor) -> BlockPlan:
-        """Mask and positions for a block whose tokens have block-local ``parents`` [B, m]."""
+    def plan(self, parents: Tensor | None = None, length: int | None = None,
+             implicit_causal: bool = False) -> BlockPlan:
+        """Mask and positions for a block whose tokens have block-local ``parents`` [B, m], or for
+        a chain of ``length`` tokens (``parents=None``: no ancestor matrix to build).
+
+        ``implicit_causal``: the caller's model builds its own causal mask over slots (transformers
+        does when given no mask), so a chain over a :attr:`dense` store gets ``attention_mask=None``.
+        """
         if self._pending is not None:
             raise RuntimeError("commit() the previous block before planning the next one")
-        B, m = parents.shape
-        valid, S = self.valid, self.num_slots
-        anc = ancestor_matrix(parents)
-        depth = anc.sum(-1) - 1  # [B, m]: 0 for tokens attached to the prefix
+        if (parents is None) == (length is None):
+            raise ValueError("give exactly one of parents (a tree) and length (a chain)")
+        B, S, dev = self.batch, self.num_slots, self.device
+        if parents is None:
+            assert length is not None
+            m = length
+            depth = torch.arange(m, device=dev).expand(B, m)
+            block = torch.ones(m, m, dtype=torch.bool, device=dev).tril().expand(B, m, m)
+        else:
+            m = parents.shape[1]
+            block = ancestor_matrix(parents)  # [B, m, m]
+            depth = block.sum(-1) - 1  # [B, m]: 0 for tokens attached to the prefix
         positions = self.lengths.unsqueeze(1) + depth
-        allowed = torch.cat([valid.unsqueeze(1).expand(B, m, S), anc], dim=-1)
-        key_pos = torch.cat([self.slot_pos, positions], dim=-1)  # [B, S + m]
         self._reserve(S + m)
         self._pending = positions
+        if parents is None and implicit_causal and self.dense:
+            return BlockPlan(None, positions)
+        allowed = torch.cat([self.valid.unsqueeze(1).expand(B, m, S), block], dim=-1)  # [B, m, S + m]
         mask = self._additive(allowed)
         if self.layer_types and self.sliding_window and "sliding_attention" in self.layer_types:
+            key_pos = torch.cat([self.slot_pos, positions], dim=-1)  # [B, S + m]
             in_window = positions.unsqueeze(-1) - key_pos.unsqueeze(1) < self.sliding_window
             masks = {"full_attention": mask, "sliding_attention": self._additive(allowed & in_window)}
             return BlockPlan({t: masks[t] for t in set(self.layer_types)}, positions)
@@ -162,15 +186,18 @@ class KVStore:
         return k[:, :, :end], v[:, :, :end]
 
     @torch.inference_mode()
-    def commit(self, keep: Tensor) -> None:
-        """Keep the block slots marked in ``keep`` [B, m]; they must form a root-to-node path."""
+    def commit(self, keep: Tensor | None = None) -> None:
+        """Keep the block slots marked in ``keep`` [B, m]; they must form a root-to-node path.
+        ``None`` keeps the whole block (a chain), which leaves a :attr:`dense` store dense."""
         if self._pending is None:
             raise RuntimeError("nothing to commit: plan() a block first")
-        S, end = self.num_slots, self.num_slots + self._pending.shape[1]
-        self._valid[:, S:end] = keep
+        m = self._pending.shape[1]
+        S, end = self.num_slots, self.num_slots + m
+        self._valid[:, S:end] = True if keep is None else keep
         self._slot_pos[:, S:end] = self._pending
         self.num_slots = end
-        self.lengths = self.lengths + keep.sum(1)
+        self.lengths = self.lengths + (m if keep is None else keep.sum(1))
+        self.dense = self.dense and keep is None
         self._pending = None
 
     def _reserve(self, slots: int) -> None:
@@ -202,16 +229,25 @@ class KVStore:
         drop = valid & (rank_from_end <= counts.unsqueeze(1))
         valid &= ~drop
         self.lengths = self.lengths - drop.sum(1)
+        self.dense = False
 
-    def maybe_compact(self) -> None:
-        """The one compaction policy (see :attr:`compact_at`); the loop and drafters call it after a step."""
-        if self.hole_fraction > self.compact_at:
-            self.compact()
+    def maybe_compact(self, lengths: list[int] | None = None) -> None:
+        """The one compaction policy (see :attr:`compact_at`); the loop and drafters call it after a
+        step. ``lengths``, the rows' committed counts as the caller knows them on the host, spare
+        the device read the policy otherwise takes."""
+        if lengths is None:
+            holes = self.hole_fraction
+        else:
+            holes = 1.0 - sum(lengths) / max(1, len(lengths) * self.num_slots)
+        if holes > self.compact_at:
+            self.compact(None if lengths is None else max(lengths, default=0))
+            self.dense = lengths is not None and min(lengths, default=0) == max(lengths, default=0)
 
     @torch.inference_mode()
-    def compact(self) -> None:
-        """Gather every row's valid slots to the front; the slots no row needs become free."""
-        keep_cols = int(self.lengths.max()) if self.batch else 0
+    def compact(self, longest: int | None = None) -> None:
+        """Gather every row's valid slots to the front; the slots no row needs become free.
+        ``longest`` is the longest row's length when the caller knows it (no device read)."""
+        keep_cols = longest if longest is not None else int(self.lengths.max()) if self.batch else 0
         order = torch.sort((~self.valid).long(), dim=1, stable=True).indices[:, :keep_cols]  # [B, S']
         for buffers in (self._keys, self._values):
             for x in buffers:

@@ -9,6 +9,12 @@ keeps each row exact. Finished rows leave the batch at the next step, so a reque
 EOS or its limit never touches the others. With ``drafter=None`` the same loop is plain
 autoregressive decoding (an empty proposal every step), an honest baseline measured by the
 same code.
+
+**One device→host read per step**: the accepted counts, with the emitted tokens, the depths the
+metrics record and the proposal's value checks, in one transfer after verification. Everything
+else the loop decides on is known on the host (the rows' committed lengths, which rows are
+active, whether a proposal is a chain); a drafter that sets ``num_valid`` costs one more read
+(:func:`_trim`). Phase timings synchronise the device only when ``run(timed=True)`` asks.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -85,13 +91,18 @@ def validate_requests(target: Target, drafter: Drafter | None, requests: list[Re
 
 
 class _Clock:
-    """Accumulates wall-clock seconds per phase (synchronising the device first)."""
+    """Wall-clock time at phase boundaries. ``timed`` synchronises the device at every boundary,
+    so the phase split is exact on an asynchronous device at the cost of a wait per phase;
+    otherwise only the run's end waits for the device, and the phases time the host's dispatch
+    (the device's work then lands wherever the host next waits: the step's one read)."""
 
-    def __init__(self, device: torch.device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    def __init__(self, device: torch.device, timed: bool):
+        self.device_sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.timed = timed
 
-    def __call__(self) -> float:
-        self.sync()
+    def __call__(self, final: bool = False) -> float:
+        if self.timed or final:
+            self.device_sync()
         return time.perf_counter()
 
 
@@ -102,7 +113,7 @@ def interactive() -> bool:
 
 def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int = 4,
         eos_token_ids: set[int] | None = None, progress: bool | None = False,
-        policy: DraftPolicy | str | None = None) -> RunResult:
+        policy: DraftPolicy | str | None = None, timed: bool = False) -> RunResult:
     """Generate for a batch of requests. See the module docstring for the step.
 
     ``progress``: a tqdm bar on stderr, new tokens out of the requests' ``max_new_tokens`` in
@@ -110,7 +121,8 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     data pipeline and the test tools call this many times (the first two with bars of their own);
     :func:`specdec.generate` shows it by default when interactive. ``policy``
     (:mod:`specdec.policy`) chooses how many of the proposed nodes each row verifies; None (or
-    ``"fixed"``) verifies them all.
+    ``"fixed"``) verifies them all. ``timed`` synchronises the device at every phase boundary, for
+    an exact time split.
     """
     validate_requests(target, drafter, requests, k)
     policy = make_policy(policy)
@@ -124,15 +136,16 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc="generate", unit="tok", disable=not show,
                file=sys.stderr)
     with bar, target.capturing(drafter.requirements() if drafter is not None else Requirements()):
-        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar, policy)
+        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar, policy, timed)
 
 
 def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int,
-              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm, policy: DraftPolicy | None) -> RunResult:
+              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm, policy: DraftPolicy | None,
+              timed: bool) -> RunResult:
     """The loop itself, inside the target's capture scope for this run; ``bar`` counts new tokens."""
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
-    B, dev = len(requests), target.device
-    clock, rm = _Clock(dev), RunMetrics()
+    B, dev, V = len(requests), target.device, target.vocab_size
+    clock, rm = _Clock(dev, timed), RunMetrics()
     metrics = [RequestMetrics(prompt_tokens=len(r.prompt)) for r in requests]
     outputs: list[list[int]] = [[] for _ in requests]
 
@@ -148,8 +161,9 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         next_tokens=first.next_tokens, active=torch.ones(B, dtype=torch.bool, device=dev),
         hidden=out.hidden, final_hidden=out.final_hidden, target_cache=shared_cache,
     )
-    live = torch.arange(B)  # request index of each batch row
-    active = _emit(first.tokens, first.num_emitted, live, outputs, requests, metrics, eos)
+    live = list(range(B))  # request index of each batch row
+    committed_len = [len(r.prompt) for r in requests]  # each row's committed tokens, known on the host
+    active = _emit(first.tokens[:, :1].tolist(), [1] * B, live, outputs, requests, metrics, eos)
     t1 = clock()
     rm.prefill_s = t1 - t0
     bar.update(sum(len(o) for o in outputs))
@@ -161,45 +175,60 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     last = first.next_tokens
 
     while True:
-        if not bool(active.all()):  # retire finished rows before the next step
-            keep = active.nonzero().squeeze(1)
-            if keep.numel() == 0:
+        if not all(active):  # retire finished rows before the next step
+            kept = [b for b, a in enumerate(active) if a]
+            if not kept:
                 break
-            session.cache.select_rows(keep.to(dev))
-            rows, last, live = rows.select(keep), last[keep], live[keep.cpu()]
+            keep_rows = torch.tensor(kept)
+            on_dev = _upload(keep_rows, dev)
+            session.cache.select_rows(on_dev)
+            rows, last = rows.select(kept), last[on_dev]
+            live, committed_len = [live[b] for b in kept], [committed_len[b] for b in kept]
             if drafter is not None:
-                drafter.select_rows(state, keep)
-        nb = live.numel()
+                drafter.select_rows(state, keep_rows)
+        nb = len(live)
         ta = clock()
         proposal = drafter.propose(state, k, rows) if drafter is not None else DraftProposal.empty(nb, dev)
-        proposal.validate(nb, target.vocab_size)
+        proposal.check_shapes(nb, V)
+        bad = proposal.invalid(V)  # read with the step's one synchronisation, below
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            proposal = replace(proposal, num_valid=policy.choose(chosen, proposal, live))
+            proposal = proposal.with_num_valid(policy.choose(chosen, proposal, torch.tensor(live)))
         proposal = _trim(proposal)
         tb = clock()
-        inputs = torch.cat([last.unsqueeze(1), proposal.tokens], dim=1)
-        parents = torch.cat([torch.full((nb, 1), -1, dtype=torch.long, device=dev), proposal.parents + 1], dim=1)
-        base = session.cache.lengths.clone()
+        n = proposal.n
+        inputs = torch.cat([last.unsqueeze(1), proposal.tokens.clamp(0, V - 1)], dim=1)  # a bad id fails below, not in the embedding
+        parents = None if proposal.is_chain else torch.cat(
+            [torch.full((nb, 1), -1, dtype=torch.long, device=dev), proposal.parents.clamp(-1, max(n - 1, 0)) + 1], dim=1)
+        base = session.cache.lengths
         out = target.forward(session, inputs, parents)
         tc = clock()
         ver = verifier.verify(proposal, out.logits, rows)
         td = clock()
 
-        n = proposal.n
+        # The step's one device→host read: accepted counts, depths, num_valid, the checks, emitted tokens.
+        read = torch.cat([torch.stack([ver.num_accepted, _depths(proposal), proposal.num_valid,
+                                       bad.long().expand(nb)], 1), ver.tokens], 1).tolist()
+        if any(r[3] for r in read):
+            proposal.validate(nb, V)  # raises, naming what is wrong
+        accepted = [r[0] for r in read]
         order = torch.cat([torch.zeros(nb, 1, dtype=torch.long, device=dev), ver.path + 1], dim=1)  # block slots, path order
         in_path = torch.arange(n + 1, device=dev).unsqueeze(0) <= ver.num_accepted.unsqueeze(1)
         order = torch.where(in_path, order, 0)
-        # Slots off the path scatter into a spare column n+1, then dropped (duplicates would race).
-        keep = torch.zeros(nb, n + 2, dtype=torch.bool, device=dev)
-        keep = keep.scatter_(1, torch.where(in_path, order, n + 1), True)[:, : n + 1]
-        target.commit(session, keep)
-        active = _emit(ver.tokens, ver.num_emitted, live, outputs, requests, metrics, eos)
+        if all(a == n for a in accepted):
+            target.commit(session, None)  # the whole block: a dense store stays dense
+        else:
+            # Slots off the path scatter into a spare column n+1, then dropped (duplicates would race).
+            keep = torch.zeros(nb, n + 2, dtype=torch.bool, device=dev)
+            target.commit(session, keep.scatter_(1, torch.where(in_path, order, n + 1), True)[:, : n + 1])
+        active = _emit([r[4:] for r in read], [a + 1 for a in accepted], live, outputs, requests, metrics, eos)
         bar.update(sum(len(o) for o in outputs) - bar.n)
-        _record(metrics, live, proposal, ver.num_accepted)
+        for b, (i, r) in enumerate(zip(live, read)):
+            metrics[i].record(r[1], r[0], r[2])
+            committed_len[b] += r[0] + 1
         committed = Committed(
             tokens=torch.where(in_path, inputs.gather(1, order), -1), num_tokens=ver.num_accepted + 1,
             positions=base.unsqueeze(1) + torch.arange(n + 1, device=dev), next_tokens=ver.next_tokens,
-            active=active.to(dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
+            active=_upload(torch.tensor(active), dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
             final_hidden=None if out.final_hidden is None else _gather(out.final_hidden, order),
             verification=ver, target_cache=shared_cache,
         )
@@ -208,41 +237,64 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
             drafter.observe(state, committed)
         tf = clock()
         if policy is not None:
-            policy.observe(chosen, proposal, ver.num_accepted, live, (tb - ta) + (tf - te), td - tb)
+            policy.observe(chosen, proposal, ver.num_accepted, torch.tensor(live), (tb - ta) + (tf - te), td - tb)
         last = ver.next_tokens
-        session.cache.maybe_compact()
+        session.cache.maybe_compact(committed_len)
         tg = clock()
         rm.draft_s += (tb - ta) + (tf - te)
         rm.target_s += tc - tb
         rm.verify_s += td - tc
         rm.batch_steps += 1
-        for i in live[~active].tolist():
-            metrics[i].latency_s = tg - t0
-    rm.wall_s = clock() - t0
+        for i, a in zip(live, active):
+            if not a:
+                metrics[i].latency_s = tg - t0
+    rm.wall_s = clock(final=True) - t0
     rm.new_tokens = sum(len(o) for o in outputs)
     return RunResult([RequestResult(o, m) for o, m in zip(outputs, metrics)], rm)
 
 
+def _upload(x: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on the device, without waiting for the device's queue (pinned memory and
+    a non-blocking copy on CUDA; a plain copy elsewhere)."""
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def _trim(proposal: DraftProposal) -> DraftProposal:
-    """Drop trailing nodes no row verifies (they would only cost target compute)."""
+    """Drop trailing nodes no row verifies (they would only cost target compute). A proposal whose
+    ``num_valid`` the drafter set costs a device read here; one that left it full does not."""
     assert proposal.num_valid is not None
-    n = int(proposal.num_valid.max()) if proposal.n else 0
+    if proposal.all_valid or not proposal.n:
+        return proposal
+    n = int(proposal.num_valid.max())
     if n == proposal.n:
         return proposal
     q = None if proposal.q is None else proposal.q[:, :n]
     conf = None if proposal.confidence is None else proposal.confidence[:, :n]
-    return replace(proposal, tokens=proposal.tokens[:, :n], parents=proposal.parents[:, :n], q=q, confidence=conf)
+    trimmed = DraftProposal(proposal.tokens[:, :n], proposal.parents[:, :n], q, proposal.num_valid, conf)
+    trimmed.is_chain = proposal.is_chain
+    return trimmed
+
+
+def _depths(proposal: DraftProposal) -> Tensor:
+    """The depth each row drafted to (its deepest valid node; a chain's is its length). [B]"""
+    assert proposal.num_valid is not None
+    if proposal.is_chain or not proposal.n:
+        return proposal.num_valid.clamp(0, proposal.n)
+    valid = torch.arange(proposal.n, device=proposal.tokens.device).unsqueeze(0) < proposal.num_valid.unsqueeze(1)
+    return torch.where(valid, node_depths(proposal.parents.clamp(-1, proposal.n - 1)), 0).max(1).values
 
 
 def _gather(h: Tensor, order: Tensor) -> Tensor:
     return h.gather(1, order.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
 
 
-def _emit(tokens: Tensor, counts: Tensor, live: Tensor, outputs: list[list[int]], requests: list[Request],
-          metrics: list[RequestMetrics], eos: set[int]) -> Tensor:
+def _emit(tokens: list[list[int]], counts: list[int], live: list[int], outputs: list[list[int]],
+          requests: list[Request], metrics: list[RequestMetrics], eos: set[int]) -> list[bool]:
     """Append each row's emitted tokens, stopping at EOS or the limit. Returns rows still active."""
-    active = torch.ones(len(live), dtype=torch.bool)
-    for b, (i, row, c) in enumerate(zip(live.tolist(), tokens.tolist(), counts.tolist())):
+    active = [True] * len(live)
+    for b, (i, row, c) in enumerate(zip(live, tokens, counts)):
         out, limit = outputs[i], requests[i].max_new_tokens
         for t in row[:c]:
             out.append(t)
@@ -252,15 +304,3 @@ def _emit(tokens: Tensor, counts: Tensor, live: Tensor, outputs: list[list[int]]
                 break
         metrics[i].new_tokens = len(out)
     return active
-
-
-def _record(metrics: list[RequestMetrics], live: Tensor, proposal: DraftProposal, num_accepted: Tensor) -> None:
-    """Per-depth drafted/accepted counts for each row of this step."""
-    assert proposal.num_valid is not None
-    if proposal.n:
-        valid = torch.arange(proposal.n, device=proposal.tokens.device).unsqueeze(0) < proposal.num_valid.unsqueeze(1)
-        depth = torch.where(valid, node_depths(proposal.parents), 0).max(1).values.tolist()
-    else:
-        depth = [0] * len(live)
-    for i, d, a, v in zip(live.tolist(), depth, num_accepted.tolist(), proposal.num_valid.tolist()):
-        metrics[i].record(d, a, v)

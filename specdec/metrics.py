@@ -133,21 +133,26 @@ class GenerationSummary:
     draft_s: float  # drafter propose + observe
     target_s: float  # target forwards after the prefill
     verify_s: float  # verification math
-    other_s: float  # the loop's own overhead
+    other_s: float  # the loop's own overhead: wall time that is neither prefill, drafting, target forwards nor verification
     batch_steps: int  # draft → verify steps of the whole batch
     tokens_per_s: float  # new tokens / wall_s
     draft_ms_per_step: float
     verify_ms_per_step: float  # target forward + verification, per batch step
+    other_ms_per_step: float  # the loop's own overhead per batch step (bookkeeping, the one host read, compaction)
+    other_step_frac: float  # other_s / (wall_s - prefill_s): the loop's share of the decoding time
     policy: str | None = None  # draft-length policy (specdec.policy); None = every proposed node verified (fixed k)
 
     @classmethod
     def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
            lossless: bool, k: int, policy: str | None = None) -> GenerationSummary:
         per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
+        decoding_s = run.wall_s - run.prefill_s
         return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy,
                    prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
                    **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
-                   draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step)
+                   draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step,
+                   other_ms_per_step=run.other_s * per_step,
+                   other_step_frac=run.other_s / decoding_s if decoding_s > 0 else 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -169,4 +174,5 @@ class GenerationSummary:
         return (f"{self.drafter or 'autoregressive'} / {self.verifier}{lossy}, {k}: "
                 f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); "
                 f"mean accepted length {self.mean_accepted_length:.2f} tokens/step; acceptance by depth [{acc}]; "
-                f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms")
+                f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms, "
+                f"loop overhead {self.other_ms_per_step:.2f} ms ({self.other_step_frac:.1%})")

@@ -5,13 +5,16 @@ rejection sampling verifies against the wrong distribution. Both sides call :fun
 Temperature 0 means greedy: the "distribution" is one-hot on the argmax (first index on ties),
 so the lossless rejection rule reduces to exact argmax matching.
 
-Every row has two seeded generators, one for the drafter and one for the verifier, so a row's
-tokens do not depend on the other rows of its batch or on how much the drafter drew.
+Random numbers are drawn on the device, batched: rows without a seed share one generator and
+draw in one call; a row that sets a seed has its own generators (one for the drafter, one for the
+verifier), so its tokens do not depend on the other rows of its batch or on how much the drafter
+drew (:class:`RowSampling`).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,24 +46,28 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def warp(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def warp(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, *, all_greedy: bool | None = None,
+         use_top_k: bool | None = None, use_top_p: bool | None = None) -> Tensor:
     """Probabilities after temperature, top-k and top-p, per row.
 
     logits [B, ..., V]; temperature, top_k, top_p [B]. Returns float32 [B, ..., V].
     Rows with temperature 0 get the one-hot argmax. Ties at the top-k or top-p boundary are all
     kept, so the result is a deterministic function of the logits on both sides.
+    ``all_greedy`` / ``use_top_k`` / ``use_top_p``: the same facts as host flags
+    (:meth:`RowSampling.probs` passes them), which skip reading them back from the device.
     """
     logits = logits.float()
     B, V = logits.shape[0], logits.shape[-1]
     view = (B,) + (1,) * (logits.dim() - 1)
     greedy = (temperature == 0).view(view)
     one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if bool(greedy.all()):
+    if bool(greedy.all()) if all_greedy is None else all_greedy:
         return one_hot
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(view).float()
     scaled = logits / t
     keep = torch.ones_like(scaled, dtype=torch.bool)
-    use_top_k, use_top_p = bool((top_k > 0).any()), bool((top_p < 1).any())
+    use_top_k = bool((top_k > 0).any()) if use_top_k is None else use_top_k
+    use_top_p = bool((top_p < 1).any()) if use_top_p is None else use_top_p
     if use_top_k or use_top_p:
         sorted_logits = scaled.sort(dim=-1, descending=True).values
         k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V)).view(view)
@@ -77,6 +84,14 @@ def warp(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> T
     return torch.where(greedy, one_hot, probs)
 
 
+def _uniform(x: Tensor, g: torch.Generator) -> None:
+    x.uniform_(generator=g)
+
+
+def _exponential(x: Tensor, g: torch.Generator) -> None:
+    x.exponential_(generator=g)
+
+
 def sample_from(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sample: one token per distribution from one uniform in [0, 1).
 
@@ -90,8 +105,41 @@ def sample_from(probs: Tensor, u: Tensor) -> Tensor:
     return torch.minimum(idx, last_positive)
 
 
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finaliser over each in turn): per-step seeds of a
+    seeded row, made on the host."""
+    h = 0
+    for v in values:
+        h = (h ^ v) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h >> 1
+
+
+class _Seeded:
+    """The random state of one row that set a seed: a persistent drafter generator and a verifier
+    generator re-seeded from ``(seed, step)`` every verification, so the numbers a step draws
+    never shift the next step's (a row's step count is its own, whatever its batch)."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed, self.step = seed, 0
+        self.draft = torch.Generator(device).manual_seed(seed ^ 0x5EED_D4AF7)
+        self.verify = torch.Generator(device)
+
+    def verify_stream(self, stream: int) -> torch.Generator:
+        """The verifier generator for this step's ``stream`` (0 uniforms, 1 noise, 2 final uniform)."""
+        return self.verify.manual_seed(_mix(self.seed, self.step, stream))
+
+
 class RowSampling:
-    """Per-row sampling parameters as tensors, and per-row seeded generators."""
+    """Per-row sampling parameters as tensors (and as host flags, so no step reads them back),
+    and the rows' random numbers, drawn on the device.
+
+    Rows without a seed draw together, in one call per tensor, from one generator seeded from
+    fresh entropy; a row that sets a seed draws from its own generators (the only per-row loop,
+    as vLLM v1 does), so its tokens do not depend on its batch.
+    """
 
     def __init__(self, params: list[SamplingParams], device: torch.device | str = "cpu"):
         if not params:
@@ -101,9 +149,9 @@ class RowSampling:
         self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        self.seeds = [p.seed if p.seed is not None else secrets.randbits(62) for p in params]
-        self._verify = [torch.Generator().manual_seed(s) for s in self.seeds]
-        self._draft = [torch.Generator().manual_seed(s ^ 0x5EED_D4AF7) for s in self.seeds]
+        self.greedy_rows = self.temperature == 0  # [B] bool
+        self._seeded = [None if p.seed is None else _Seeded(p.seed, self.device) for p in params]
+        self._shared = torch.Generator(self.device).manual_seed(secrets.randbits(62))  # the unseeded rows'
 
     @property
     def batch(self) -> int:
@@ -111,64 +159,80 @@ class RowSampling:
 
     @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+        return all(p.greedy for p in self.params)
+
+    @property
+    def uses_top_k(self) -> bool:
+        return any(p.top_k > 0 for p in self.params)
+
+    @property
+    def uses_top_p(self) -> bool:
+        return any(p.top_p < 1 for p in self.params)
 
     def probs(self, logits: Tensor) -> Tensor:
         """Warped target or draft probabilities for every row. [B, ..., V]"""
-        return warp(logits, self.temperature, self.top_k, self.top_p)
+        return warp(logits, self.temperature, self.top_k, self.top_p, all_greedy=self.all_greedy,
+                    use_top_k=self.uses_top_k, use_top_p=self.uses_top_p)
 
-    def select(self, rows: Tensor) -> RowSampling:
+    def select(self, rows: Tensor | list[int]) -> RowSampling:
         """The same rows' parameters and generators (shared, not copied) for a sub-batch."""
         sub = RowSampling.__new__(RowSampling)
-        idx = rows.tolist()
+        idx = rows if isinstance(rows, list) else rows.tolist()
         sub.params = [self.params[i] for i in idx]
-        sub.device = self.device
+        sub.device, sub._shared = self.device, self._shared
+        rows = torch.tensor(idx, device=self.device)
         sub.temperature, sub.top_k, sub.top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
-        sub.seeds = [self.seeds[i] for i in idx]
-        sub._verify = [self._verify[i] for i in idx]
-        sub._draft = [self._draft[i] for i in idx]
+        sub.greedy_rows = self.greedy_rows[rows]
+        sub._seeded = [self._seeded[i] for i in idx]
         return sub
 
+    def _draw(self, shape: tuple[int, ...], fill: Callable[[Tensor, torch.Generator], None], stream: int | None,
+              dtype: torch.dtype = torch.float64) -> Tensor:
+        """[B, *shape] from ``fill(tensor, generator)``: one call for every unseeded row, then one
+        per seeded row from its own generator (the verifier's ``stream`` of this step, or the
+        drafter's generator when ``stream`` is None)."""
+        out = torch.empty(self.batch, *shape, dtype=dtype, device=self.device)
+        if any(s is None for s in self._seeded):
+            fill(out, self._shared)
+        for b, s in enumerate(self._seeded):
+            if s is not None:
+                fill(out[b], s.draft if stream is None else s.verify_stream(stream))
+        return out
+
+    def _end_step(self) -> None:
+        for s in self._seeded:
+            if s is not None:
+                s.step += 1
+
     def verify_uniforms(self, proposal: DraftProposal) -> tuple[Tensor, Tensor]:
-        """One uniform per valid node and one for the emitted token, from each row's verifier
-        generator. Each row draws ``num_valid + 1`` numbers, a count that depends on that row
-        alone, so a row's tokens never depend on its batch. Returns ([B, n], [B])."""
-        assert proposal.num_valid is not None
-        B, n = proposal.tokens.shape
-        u = torch.zeros(B, n, dtype=torch.float64)
-        u_final = torch.zeros(B, dtype=torch.float64)
-        for b, (g, c) in enumerate(zip(self._verify, proposal.num_valid.tolist())):
-            draw = torch.rand(c + 1, generator=g, dtype=torch.float64)
-            u[b, :c], u_final[b] = draw[:c], draw[c]
-        return u.to(self.device), u_final.to(self.device)
+        """One uniform per node and one for the emitted token. A seeded row draws them from
+        generators seeded by ``(seed, step)``, in index order, so node ``j`` gets the same number
+        whatever the block's width: a row's tokens never depend on its batch. Returns ([B, n], [B])."""
+        n = proposal.tokens.shape[1]
+        u = self._draw((n,), _uniform, 0)
+        u_final = self._draw((), _uniform, 2)
+        self._end_step()
+        return u, u_final
 
     def verify_noise(self, proposal: DraftProposal, vocab_size: int) -> tuple[Tensor, Tensor]:
-        """The random numbers of the exponential-race verifier, from each row's verifier
-        generator: one uniform per valid node, then one seed for the row's ``Exp(1)`` noise over
-        the vocabulary, drawn on the device by a generator seeded with it (``V`` numbers per row
-        would be slow to draw on the host). Greedy rows draw nothing and get noise 1 (their race
-        is an argmax). Counts depend on the row alone, so a row never depends on its batch.
-        Returns (u [B, n] float32, noise [B, V] float32)."""
-        assert proposal.num_valid is not None
+        """The random numbers of the exponential-race verifier: one uniform per node and the
+        row's ``Exp(1)`` noise over the vocabulary, drawn on the device (seeded rows as in
+        :meth:`verify_uniforms`). Greedy rows get noise 1 (their race is an argmax); an all-greedy
+        batch draws nothing. Returns (u [B, n] float32, noise [B, V] float32)."""
         B, n = proposal.tokens.shape
-        u = torch.zeros(B, n, dtype=torch.float64)
-        noise = torch.ones(B, vocab_size, dtype=torch.float32, device=self.device)
-        greedy = (self.temperature == 0).tolist()
-        for b, (g, c) in enumerate(zip(self._verify, proposal.num_valid.tolist())):
-            if greedy[b]:
-                continue
-            u[b, :c] = torch.rand(c, generator=g, dtype=torch.float64)
-            seed = int(torch.randint(0, 2**62, (1,), generator=g))
-            noise[b].exponential_(generator=torch.Generator(device=self.device).manual_seed(seed))
-        return u.float().to(self.device), noise
+        if self.all_greedy:
+            return (torch.zeros(B, n, dtype=torch.float32, device=self.device),
+                    torch.ones(B, vocab_size, dtype=torch.float32, device=self.device))
+        noise = self._draw((vocab_size,), _exponential, 1, torch.float32)
+        u = self._draw((n,), _uniform, 0).float()
+        self._end_step()
+        return u, torch.where(self.greedy_rows.unsqueeze(1), 1.0, noise)
 
     def draft_uniform(self, *shape: int) -> Tensor:
-        """Uniforms in [0, 1) from each row's drafter generator. [B, *shape]"""
-        return self._uniform(self._draft, shape)
+        """Uniforms in [0, 1) for the drafter (a seeded row's from its own persistent drafter
+        generator, which advances by the same count whatever the batch). [B, *shape] float64"""
+        return self._draw(shape, _uniform, None)
 
-    def _uniform(self, gens: list[torch.Generator], shape: tuple[int, ...]) -> Tensor:
-        u = torch.stack([torch.rand(shape, generator=g, dtype=torch.float64) for g in gens])
-        return u.to(self.device)
 
     def sample(self, probs: Tensor) -> Tensor:
         """Draw one token per row from the drafter generators. probs [B, V] → [B]"""

@@ -202,7 +202,7 @@ class ScheduledDrafter(Drafter):
         state.conf = self.confidences(state.inner, proposal)  # [B, n]
         lengths = schedule(state.conf, self.costs, self.budget, self.ragged)
         assert proposal.num_valid is not None
-        return DraftProposal(proposal.tokens, proposal.parents, proposal.q, torch.minimum(proposal.num_valid, lengths))
+        return proposal.with_num_valid(torch.minimum(proposal.num_valid, lengths))
 
     def observe(self, state: _Wrapped, committed: Committed) -> None:
         self.drafter.observe(state.inner, committed)

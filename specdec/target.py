@@ -10,16 +10,26 @@ KV cache ragged across rows in a :class:`~specdec.kv.KVStore` (handed to transfo
 Layer-id convention: id ``i`` is the input of decoder layer ``i``; id ``L`` is the output of the
 last layer before the final norm. DFlash/DSpark name layers by their *output*; convert with
 :func:`layer_output_ids`.
+
+**Fast paths** (``Target(fast=True)``, the default; ``fast=False`` runs every block through the
+general tree path, for comparisons): a chain builds no ancestor matrix, and a chain over a dense
+store (no holes: a prefill of equal-length prompts, plain decoding) passes no mask at all, so
+transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask).
+``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
+CPU threads from the machine unless the user already chose.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -28,8 +38,42 @@ from transformers import PreTrainedModel
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
 from specdec.types import Requirements, chain_parents
+from specdec.validate import as_int
 
-__all__ = ["Target", "TargetSession", "TargetOutput", "LayerSpec", "layer_output_ids"]
+__all__ = ["Target", "TargetSession", "TargetOutput", "LayerSpec", "layer_output_ids", "set_threads",
+           "machine_threads"]
+
+_THREADS_AT_IMPORT = torch.get_num_threads()  # a different count later means the user chose one
+
+
+def machine_threads() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (a container's share, which torch's default of all the host's cores ignores)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op CPU threads once, at :func:`specdec.load_target`; returns the count in use.
+
+    ``threads`` wins when given. Otherwise an explicit choice is left alone: ``OMP_NUM_THREADS``
+    or ``MKL_NUM_THREADS`` set, or ``torch.set_num_threads`` called since specdec was imported.
+    Failing both, the count is lowered to :func:`machine_threads` when torch's default exceeds it
+    (oversubscription: every extra thread slows the GEMMs), never raised (torch's default counts
+    physical cores, the better choice when there are fewer of them than logical CPUs).
+    """
+    if threads is not None:
+        torch.set_num_threads(as_int("threads", threads, minimum=1))
+    elif (not any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+          and torch.get_num_threads() == _THREADS_AT_IMPORT and _THREADS_AT_IMPORT > machine_threads()):
+        torch.set_num_threads(machine_threads())
+    return torch.get_num_threads()
 
 
 def layer_output_ids(ids: list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -66,10 +110,18 @@ class TargetSession:
 
 
 class Target:
-    """Wraps a causal LM; one instance serves many generations (state lives in sessions)."""
+    """Wraps a causal LM; one instance serves many generations (state lives in sessions).
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None):
+    ``fast``: the chain fast paths (module docstring). ``compile``: the decoder through
+    ``torch.compile`` with dynamic shapes (block and cache lengths change every step); ``True``
+    uses torch's default backend (inductor), a string names another (``"eager"`` checks the
+    tracing alone). The KV store's writes stay eager (a graph break per layer): its buffers are
+    inference tensors, which a compiled graph may not mutate.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False):
         self.model = model.eval()
+        self.fast = fast
         self.tokenizer = tokenizer
         self.config = model.config
         text_config = getattr(self.config, "get_text_config", lambda: self.config)()
@@ -86,6 +138,8 @@ class Target:
         self.requirements = Requirements()
         self._captured: dict[int | str, Tensor] = {}
         self._hooks: list = []
+        backend = compile if isinstance(compile, str) else "inductor"
+        self._decode = torch.compile(self.decoder, dynamic=True, backend=backend) if compile else self.decoder
 
     # --- what the target hands out -------------------------------------------------------
     @property
@@ -298,11 +352,12 @@ class Target:
         which saves the LM head on a long prefill.
         """
         B, m = tokens.shape
-        if parents is None:
-            parents = chain_parents(m, B, tokens.device)
-        plan = session.cache.plan(parents.to(self.device))
+        if parents is None and self.fast:
+            plan = session.cache.plan(length=m, implicit_causal=True)
+        else:
+            plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
-        out = self.decoder(
+        out = self._decode(
             input_ids=tokens.to(self.device),
             attention_mask=plan.attention_mask,
             position_ids=plan.position_ids,
@@ -326,8 +381,9 @@ class Target:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def commit(self, session: TargetSession, keep: Tensor) -> None:
-        session.cache.commit(keep.to(self.device))
+    def commit(self, session: TargetSession, keep: Tensor | None = None) -> None:
+        """Keep the block slots marked in ``keep`` [B, m]; ``None`` keeps the whole block."""
+        session.cache.commit(None if keep is None else keep.to(self.device))
 
     def prefill(self, session: TargetSession, prompts: list[list[int]]) -> tuple[TargetOutput, Tensor, Tensor]:
         """Run the prompts, right-padded, and commit them.
@@ -336,11 +392,11 @@ class Target:
         every prompt token), the padded prompt tokens [B, L] (-1 padded) and their lengths [B].
         """
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        L = int(lengths.max())
+        L = max(len(p) for p in prompts)
         padded = torch.full((len(prompts), L), -1, dtype=torch.long)
         for b, p in enumerate(prompts):
             padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
         out = self.forward(session, padded.clamp(min=0), logits_rows=(lengths - 1).unsqueeze(1))
-        keep = torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1)
-        self.commit(session, keep)
+        ragged = any(len(p) != L for p in prompts)  # equal lengths keep the store dense
+        self.commit(session, torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1) if ragged else None)
         return out, padded.to(self.device), lengths.to(self.device)

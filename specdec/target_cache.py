@@ -10,6 +10,7 @@ as they are, so every layer reports itself as a plain full-attention layer whate
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -31,6 +32,7 @@ class _StoreLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # the store allocates on its first write
 
+    @torch.compiler.disable  # a compiled target (Target(compile=True)) writes in eager: the store's buffers are inference tensors
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.store.write(self.index, key_states, value_states)
 

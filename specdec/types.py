@@ -10,6 +10,7 @@ Node ``j`` of the proposal is verified against the target distribution at block 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,11 +80,15 @@ class DraftProposal:
     q: Tensor | None = None  # [B, n, V] float, or None when deterministic
     num_valid: Tensor | None = None  # [B] nodes to verify per row; the rest is padding
     confidence: Tensor | None = None  # [B, n] in [0, 1], or None
+    # Host-known facts, so the loop reads nothing back from the device to act on them:
+    is_chain: bool = field(default=False, init=False)  # built by chain() / empty(): parents are a chain's
+    all_valid: bool = field(default=False, init=False)  # num_valid was not given: every node is verified
 
     def __post_init__(self) -> None:
         if self.parents.dim() == 1:
             self.parents = self.parents.expand(self.tokens.shape[0], -1).clone()
         if self.num_valid is None:
+            self.all_valid = True
             self.num_valid = torch.full(
                 (self.tokens.shape[0],), self.tokens.shape[1], dtype=torch.long, device=self.tokens.device
             )
@@ -96,22 +101,28 @@ class DraftProposal:
     def n(self) -> int:
         return self.tokens.shape[1]
 
-    @property
-    def is_chain(self) -> bool:
-        return bool(torch.equal(self.parents, chain_parents(self.n, self.tokens.shape[0], self.tokens.device)))
-
     @classmethod
     def chain(cls, tokens: Tensor, q: Tensor | None = None, num_valid: Tensor | None = None,
               confidence: Tensor | None = None) -> DraftProposal:
-        return cls(tokens, chain_parents(tokens.shape[1], tokens.shape[0], tokens.device), q, num_valid, confidence)
+        p = cls(tokens, chain_parents(tokens.shape[1], tokens.shape[0], tokens.device), q, num_valid, confidence)
+        p.is_chain = True
+        return p
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str = "cpu") -> DraftProposal:
         tokens = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        return cls(tokens, tokens.clone(), None, torch.zeros(batch, dtype=torch.long, device=device))
+        p = cls(tokens, tokens.clone(), None, torch.zeros(batch, dtype=torch.long, device=device))
+        p.is_chain = p.all_valid = True
+        return p
 
-    def validate(self, batch: int, vocab_size: int) -> None:
-        """Raise a clear error for a malformed proposal (a drafter bug), before verification."""
+    def with_num_valid(self, num_valid: Tensor) -> DraftProposal:
+        """The same drafts with fewer of them verified per row (a draft-length policy's choice)."""
+        p = DraftProposal(self.tokens, self.parents, self.q, num_valid, self.confidence)
+        p.is_chain = self.is_chain
+        return p
+
+    def check_shapes(self, batch: int, vocab_size: int) -> None:
+        """The checks of :meth:`validate` that read nothing from the device."""
         B, n = self.tokens.shape
         if B != batch:
             raise ValueError(f"proposal has {B} rows, the batch has {batch}")
@@ -119,27 +130,49 @@ class DraftProposal:
             raise ValueError(f"proposal tokens must be int64, got {self.tokens.dtype}")
         if self.parents.shape != (B, n):
             raise ValueError(f"parents shape {tuple(self.parents.shape)} != tokens shape {(B, n)}")
-        if n and (self.tokens.min() < 0 or self.tokens.max() >= vocab_size):
-            raise ValueError(f"draft token ids must lie in [0, {vocab_size})")
-        idx = torch.arange(n, device=self.parents.device)
-        if n and ((self.parents < -1) | (self.parents >= idx)).any():
-            raise ValueError("every parent index must be -1 or the index of an earlier node")
         if self.q is not None and self.q.shape != (B, n, vocab_size):
             raise ValueError(f"q shape {tuple(self.q.shape)} != {(B, n, vocab_size)}")
         if self.confidence is not None and self.confidence.shape != (B, n):
             raise ValueError(f"confidence shape {tuple(self.confidence.shape)} != {(B, n)}")
+
+    def invalid(self, vocab_size: int) -> Tensor:
+        """Whether any value check of :meth:`validate` fails, as a 0-d bool tensor on the device:
+        the loop reads it with the step's one synchronisation, then calls :meth:`validate` for the message."""
+        return torch.stack([bad for bad, _ in self._value_checks(vocab_size)]).any()
+
+    def validate(self, batch: int, vocab_size: int) -> None:
+        """Raise a clear error for a malformed proposal (a drafter bug), before verification."""
+        self.check_shapes(batch, vocab_size)
+        for bad, message in self._value_checks(vocab_size):
+            if bool(bad):
+                raise ValueError(message())
+
+    def _value_checks(self, vocab_size: int) -> list[tuple[Tensor, Callable[[], str]]]:
+        """(0-d bool tensor: the check fails, its message) for every check of the values."""
         assert self.num_valid is not None
-        if ((self.num_valid < 0) | (self.num_valid > n)).any():
-            raise ValueError(f"num_valid must lie in [0, {n}]")
+        n, dev = self.n, self.tokens.device
+        idx = torch.arange(n, device=self.parents.device)
+        checks: list[tuple[Tensor, Callable[[], str]]] = [
+            (((self.tokens < 0) | (self.tokens >= vocab_size)).any(), lambda: f"draft token ids must lie in [0, {vocab_size})"),
+            (((self.parents < -1) | (self.parents >= idx)).any().to(dev),
+             lambda: "every parent index must be -1 or the index of an earlier node"),
+            (((self.num_valid < 0) | (self.num_valid > n)).any().to(dev), lambda: f"num_valid must lie in [0, {n}]"),
+        ]
         if self.q is not None and n:
             # A drafted token must have positive probability under the q it was drawn from: the
             # rejection rule u·q(x) < p(x) would accept a q(x) = 0 token whenever p(x) > 0.
             valid = torch.arange(n, device=self.q.device) < self.num_valid.to(self.q.device).unsqueeze(1)
-            q_tok = self.q.gather(-1, self.tokens.to(self.q.device).unsqueeze(-1)).squeeze(-1)  # [B, n]
-            if (valid & ~(q_tok > 0)).any():  # catches q(x) = 0 and NaN alike
-                b, j = (valid & ~(q_tok > 0)).nonzero()[0].tolist()
-                raise ValueError(f"row {b}, node {j}: drafted token {int(self.tokens[b, j])} has q = {float(q_tok[b, j])}"
-                                 " under the q reported for it; q must be the distribution it was drawn from")
+            tokens = self.tokens.to(self.q.device).clamp(0, vocab_size - 1)
+            q_tok = self.q.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, n]
+            zero = valid & ~(q_tok > 0)  # catches q(x) = 0 and NaN alike
+
+            def message() -> str:
+                b, j = zero.nonzero()[0].tolist()
+                return (f"row {b}, node {j}: drafted token {int(self.tokens[b, j])} has q = {float(q_tok[b, j])}"
+                        " under the q reported for it; q must be the distribution it was drawn from")
+
+            checks.append((zero.any().to(dev), message))
+        return checks
 
 
 @dataclass

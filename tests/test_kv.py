@@ -153,6 +153,49 @@ def test_masks_follow_holes_trees_and_the_sliding_window():
                                 [False, True, False, False, False, True]]
 
 
+def ancestors_one_token_at_a_time(parents: torch.Tensor) -> torch.Tensor:
+    """The specification: each token's row is its parent's row plus itself (the replaced loop)."""
+    B, m = parents.shape
+    anc = torch.eye(m, dtype=torch.bool).expand(B, m, m).clone()
+    for i in range(m):
+        p = parents[:, i]
+        anc[:, i] |= anc[torch.arange(B), p.clamp(min=0)] & (p >= 0).unsqueeze(1)
+    return anc
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 40])
+def test_the_vectorised_ancestor_matrix_equals_the_per_token_loop(m):
+    gen = torch.Generator().manual_seed(m)
+    idx = torch.arange(m)
+    trees = [(torch.rand(4, m, generator=gen) * (idx + 1)).long() - 1 for _ in range(5)]  # parent in [-1, i)
+    for parents in trees + [chain_parents(m, 2), torch.full((1, m), -1)]:
+        assert torch.equal(ancestor_matrix(parents), ancestors_one_token_at_a_time(parents))
+
+
+def test_a_chain_plan_equals_the_tree_plan_of_its_parents_and_drops_the_mask_only_when_dense():
+    gen = torch.Generator().manual_seed(6)
+    for layer_types in (None, ["sliding_attention", "full_attention"]):
+        stores = [KVStore(2, "cpu", torch.float32, num_layers=2, layer_types=layer_types, sliding_window=3)
+                  for _ in range(2)]
+        for keep in (None, None, torch.tensor([[1, 1, 0], [1, 0, 0]]).bool(), None):
+            tree = stores[0].plan(chain_parents(3, 2))
+            chain = stores[1].plan(length=3, implicit_causal=True)
+            if stores[1].dense:
+                assert chain.attention_mask is None
+            else:
+                masks = [tree.attention_mask, chain.attention_mask]
+                if layer_types is None:
+                    masks = [{"full_attention": x} for x in masks]
+                assert all(torch.equal(masks[0][t], masks[1][t]) for t in masks[0])
+            assert torch.equal(tree.position_ids, chain.position_ids)
+            for store in stores:
+                keys = torch.randn(2, H, 3, D, generator=gen)
+                store.write(0, keys, keys), store.write(1, keys, keys)
+                store.commit(keep)
+        assert stores[1].num_slots == 12 and not stores[1].dense
+        assert torch.equal(stores[0].lengths, stores[1].lengths) and stores[1].lengths.tolist() == [11, 10]
+
+
 def test_maybe_compact_is_the_one_policy(monkeypatch):
     store, gen = KVStore(2, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(4)
     step(store, None, chain_parents(4, 2), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool(), gen)
@@ -160,8 +203,9 @@ def test_maybe_compact_is_the_one_policy(monkeypatch):
     store.maybe_compact()
     assert store.num_slots == 4  # below the threshold: left alone
     monkeypatch.setattr(KVStore, "compact_at", 0.25)
-    store.maybe_compact()
+    store.maybe_compact(lengths=[3, 2])  # the caller's host copy of the lengths: no device read
     assert store.num_slots == 3 and store.valid.tolist() == [[True, True, True], [True, True, False]]
+    assert not store.dense
 
 
 def test_the_target_writes_into_its_store_in_place():

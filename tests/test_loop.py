@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from torch.overrides import TorchFunctionMode
 
 from specdec.loop import Request, run
 from specdec.testing import RandomDrafter
@@ -96,3 +97,65 @@ def test_a_run_that_raises_leaves_nothing_on_the_target():
     out = run(target, spy, GreedyVerifier(), [Request([1, 2, 3], 4)], k=2, eos_token_ids=set())
     assert len(out.requests[0].tokens) == 4
     assert set(spy.seen[0].hidden) == {1} and spy.seen[0].final_hidden is None
+
+
+# --- host synchronisation -------------------------------------------------------------------------
+_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "equal", "is_nonzero"}
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts every read of a tensor's values into Python: on a GPU each one waits for the
+    device (a synchronisation). Tensors are all on the CPU here, so a read of a host tensor
+    counts too: the loop keeps its host bookkeeping in Python lists, not tensors. Copies to the
+    device (non-blocking from pinned memory on CUDA) are not reads and are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.paused = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused and getattr(func, "__name__", "") in _READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def opaque(self, fn):
+        """``fn`` as one device operation whose reads are its own business (a drafter; the
+        verifier's kernel, one Triton launch on a GPU)."""
+        def wrapped(*args, **kwargs):
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+        return wrapped
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("branching", [None, [2, 2]], ids=["chain", "tree"])
+def test_a_step_reads_the_device_once(target, monkeypatch, sampled, branching):
+    """Steps of the loop, the target's forward, the KV store and the sampling read one tensor
+    back per step (the accepted counts with everything else the host needs), counted as the
+    difference between two runs of different lengths (prefill and retirement cancel)."""
+    import specdec.verifiers.greedy as greedy_module
+    import specdec.verifiers.rejection as rejection_module
+    from specdec.sampling import SamplingParams
+    from specdec.verifiers import RejectionVerifier
+
+    reads = _HostReads()
+    for module in (greedy_module, rejection_module):
+        monkeypatch.setattr(module, "rejection_sample", reads.opaque(module.rejection_sample))
+    params = ([SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.8, top_k=8)] if sampled
+              else [SamplingParams()] * 2)
+    seen = []
+    for new_tokens in (6, 14):
+        drafter = RandomDrafter.create(target, siblings="iid", **({"branching": branching} if branching else {}))
+        for name in ("start", "propose", "observe", "select_rows"):
+            setattr(drafter, name, reads.opaque(getattr(drafter, name)))
+        verifier = RejectionVerifier() if sampled else GreedyVerifier()
+        requests = [Request([1, 2, 3], new_tokens, params[0]), Request([4, 5, 6], new_tokens, params[1])]
+        before = reads.count
+        with reads:
+            res = run(target, drafter, verifier, requests, k=3, eos_token_ids=set())
+        seen.append((reads.count - before, res.metrics.batch_steps))
+    (short, short_steps), (long, long_steps) = seen
+    assert long_steps > short_steps and long - short == long_steps - short_steps

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.loop import Request, run
-from specdec.metrics import RequestMetrics, summarize
+from specdec.metrics import GenerationSummary, RequestMetrics, summarize
 from specdec.verifiers import GreedyVerifier
 
 
@@ -24,3 +24,6 @@ def test_autoregressive_run_scores_one_and_splits_time(target):
     rm = res.metrics
     assert rm.new_tokens == 13 and rm.wall_s > 0
     assert rm.other_s >= -1e-6 and rm.prefill_s + rm.target_s <= rm.wall_s
+    s = GenerationSummary.of([r.metrics for r in res.requests], rm, None, "greedy", True, 1)
+    assert s.batch_steps == 7 and abs(s.other_ms_per_step - rm.other_s * 1e3 / 7) < 1e-9
+    assert abs(s.other_step_frac * (rm.wall_s - rm.prefill_s) - rm.other_s) < 1e-9 and "loop overhead" in str(s)

@@ -62,4 +62,53 @@ def test_rows_draw_from_their_own_seeded_generators():
     b = RowSampling([SamplingParams(temperature=1, seed=2)])
     assert torch.equal(a.draft_uniform(3)[1], b.draft_uniform(3)[0])
     sub = a.select(torch.tensor([1]))
-    assert sub.seeds == [2] and sub.temperature.tolist() == [1.0]
+    assert sub.params == [a.params[1]] and sub.temperature.tolist() == [1.0]
+    assert torch.equal(sub.draft_uniform(2)[0], b.draft_uniform(2)[0])  # the generator is shared, not copied
+
+
+def _draws(fn) -> int:
+    """How many random-fill calls ``fn`` makes (each one kernel launch on a device)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in {"uniform_", "exponential_", "rand", "randint", "normal_"}:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def test_unseeded_rows_draw_together_and_only_seeded_rows_loop():
+    from specdec.types import DraftProposal
+
+    proposal = DraftProposal.chain(torch.zeros(4, 3, dtype=torch.long))
+    free = RowSampling([SamplingParams(temperature=1.0)] * 4)
+    assert _draws(lambda: free.verify_noise(proposal, 11)) == 2  # noise and uniforms, one call each for all rows
+    assert _draws(lambda: free.draft_uniform(3)) == 1
+    mixed = RowSampling([SamplingParams(temperature=1.0, seed=s) for s in (1, 2)] + [SamplingParams(temperature=1.0)] * 2)
+    assert _draws(lambda: mixed.verify_noise(proposal, 11)) == 2 + 2 * 2
+    assert _draws(lambda: RowSampling([SamplingParams()] * 4).verify_noise(proposal, 11)) == 0  # all greedy
+    u, noise = free.verify_noise(proposal, 11)
+    assert len({tuple(r) for r in u.tolist()}) == 4 and bool((noise > 0).all())
+
+
+def test_a_seeded_rows_numbers_depend_on_its_seed_and_step_only():
+    """Alone or in a batch, with a block of 3 nodes or of 5 (a batch pads to its widest row), a
+    seeded row draws the same uniforms for its nodes and the same noise, step after step; a
+    greedy row's noise is 1."""
+    from specdec.types import DraftProposal
+
+    alone = RowSampling([SamplingParams(temperature=1.0, seed=7)])
+    batch = RowSampling([SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, seed=7), SamplingParams()])
+    for _ in range(3):
+        u1, n1 = alone.verify_noise(DraftProposal.chain(torch.zeros(1, 3, dtype=torch.long)), 13)
+        u3, n3 = batch.verify_noise(DraftProposal.chain(torch.zeros(3, 5, dtype=torch.long)), 13)
+        assert torch.equal(u3[1, :3], u1[0]) and torch.equal(n3[1], n1[0])
+        assert n3[2].tolist() == [1.0] * 13
+    later, _ = alone.verify_noise(DraftProposal.chain(torch.zeros(1, 3, dtype=torch.long)), 13)
+    assert not torch.equal(later, u1)  # a new step, new numbers

@@ -24,8 +24,14 @@ def family_target(request):
     return Target(tiny_model(request.param, vocab_size=48, init_scale=0.2, seed=3))
 
 
-def test_tree_logits_equal_per_path_logits(family_target):
+@pytest.fixture(params=[True, False], ids=["fast", "general"])
+def fast(request) -> bool:
+    return request.param
+
+
+def test_tree_logits_equal_per_path_logits(family_target, fast):
     t, m = family_target, family_target.model
+    t.fast = fast
     s = t.new_session(2)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
     out, _, _ = t.prefill(s, prompts)
@@ -44,10 +50,11 @@ def test_tree_logits_equal_per_path_logits(family_target):
             torch.testing.assert_close(o.logits[b, i], ref, atol=1e-4, rtol=1e-4)
 
 
-def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target):
+def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target, fast):
     """Rows keep different paths; holes, a rollback and a compaction leave logits unchanged.
     The sequences run past gemma3's sliding window of 4, so the per-type masks are exercised."""
     t, m = family_target, family_target.model
+    t.fast = fast
     s = t.new_session(2)
     seqs = [[1, 2, 3], [4, 5]]
     t.prefill(s, seqs)
@@ -74,6 +81,33 @@ def test_ragged_commits_rollback_and_compaction_keep_logits_exact(family_target)
     s.cache.select_rows(torch.tensor([1]))
     o = t.forward(s, torch.tensor([[23]]))
     torch.testing.assert_close(o.logits[0, 0], full_logits(m, seqs[1] + [23])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_chain_fast_path_equals_the_tree_path_and_the_model(family_target, fast):
+    """Equal-length prompts and whole-block commits keep the store dense, where a chain runs with
+    no mask (the model's own causal attention); a hole turns the mask back on. Every logit equals
+    a cache-free forward, with the fast paths on and off, past gemma3's sliding window of 4."""
+    t, m = family_target, family_target.model
+    t.fast = fast
+    s = t.new_session(2)
+    seqs = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    out, _, _ = t.prefill(s, seqs)
+    for b in range(2):
+        torch.testing.assert_close(out.logits[b, 0], full_logits(m, seqs[b])[-1], atol=1e-4, rtol=1e-4)
+    blocks = [(torch.tensor([[9], [10]]), None), (torch.tensor([[11, 12, 13], [14, 15, 16]]), None),
+              (torch.tensor([[17, 18], [19, 20]]), torch.tensor([[1, 0], [1, 1]]).bool()),
+              (torch.tensor([[21, 22], [23, 24]]), None)]
+    for i, (tokens, keep) in enumerate(blocks):
+        assert s.cache.dense == (i < 3)  # until the hole
+        o = t.forward(s, tokens)
+        for b in range(2):
+            for j in range(tokens.shape[1]):
+                ref = full_logits(m, seqs[b] + tokens[b, : j + 1].tolist())[-1]
+                torch.testing.assert_close(o.logits[b, j], ref, atol=1e-4, rtol=1e-4)
+        t.commit(s, keep)
+        for b in range(2):
+            seqs[b] += [int(x) for j, x in enumerate(tokens[b]) if keep is None or keep[b, j]]
+    assert not s.cache.dense
 
 
 def test_captured_features_are_layer_inputs(family_target):
@@ -149,3 +183,66 @@ def test_layer_specs_carry_each_layer_types_rope(family_target):
                           rope_parameters=spec.rope_parameters)
         for got, want in zip(LlamaRotaryEmbedding(cfg)(x, pos), t.rotary(x, pos, spec.layer_type)):
             torch.testing.assert_close(got, want)
+def test_threads_come_from_the_machine_unless_the_user_chose(monkeypatch):
+    import specdec.target as target_module
+    from specdec.target import set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(target_module, "machine_threads", lambda: 1)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(target_module, "_THREADS_AT_IMPORT", 2)  # torch's default counted more cores
+        assert set_threads() == 1  # lowered to the machine's share
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert set_threads() == 2  # the environment chose
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr(target_module, "_THREADS_AT_IMPORT", 3)  # set_num_threads(2) was called since import
+        assert set_threads() == 2
+        assert set_threads(1) == 1  # the argument wins
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.slow  # torch.compile (inductor) on two CPU cores: about two minutes
+def test_a_compiled_target_gives_the_eager_logits():
+    m = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
+    outs = []
+    for t in (Target(m), Target(m, compile=True)):
+        s = t.new_session(2)
+        o, _, _ = t.prefill(s, [[1, 2, 3], [4, 5, 6]])
+        logits = [o.logits]
+        for tokens, parents, keep in [(torch.tensor([[7], [8]]), None, None),
+                                      (torch.tensor([[9, 10, 11], [12, 13, 14]]), torch.tensor([[-1, 0, 0], [-1, 0, 1]]),
+                                       torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())]:
+            logits.append(t.forward(s, tokens, parents).logits)
+            t.commit(s, keep)
+        outs.append(logits)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram", "draft_model", "random_tree"])
+def test_greedy_decoding_equals_transformers_with_fast_paths_on_and_off(fast, drafter):
+    """Equal-length prompts (a dense store: the mask-free chain path while nothing is rejected)
+    and ragged ones (masks from the start), every token equal to transformers' greedy decoding."""
+    import specdec
+    from specdec.loop import Request, run
+    from specdec.testing import RandomDrafter, greedy_reference
+    from specdec.verifiers import GreedyVerifier
+
+    model = tiny_model("llama", vocab_size=32, init_scale=0.3, seed=0)
+    t = Target(model, fast=fast)
+    for prompts in ([[3, 7, 3, 7, 3, 9], [5, 6, 7, 5, 6, 7]], [[3, 7, 3, 7], [5, 6, 7, 5, 6, 7, 1]]):
+        if drafter == "random_tree":
+            d = RandomDrafter.create(t, siblings="deterministic", branching=[2, 2])
+        elif drafter is not None:
+            d = specdec.make_drafter(drafter, t, **({"model": model} if drafter == "draft_model" else {}))
+        res = run(t, None if drafter is None else d, GreedyVerifier(), [Request(p, 12) for p in prompts], k=3,
+                  eos_token_ids=set())
+        for p, r in zip(prompts, res.requests):
+            assert r.tokens == greedy_reference(model, p, 12)[0]

@@ -38,6 +38,6 @@ class RejectionVerifier(Verifier):
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
         u, noise = rows.verify_noise(proposal, logits.shape[-1])
         args = (proposal.tokens, proposal.parents, proposal.num_valid, u, noise, proposal.q)
-        if self.in_kernel_temperature and not bool((rows.top_k > 0).any() or (rows.top_p < 1).any()):
+        if self.in_kernel_temperature and not (rows.uses_top_k or rows.uses_top_p):
             return rejection_sample(*args, logits=logits, temperature=rows.temperature)
         return rejection_sample(*args, probs=rows.probs(logits))

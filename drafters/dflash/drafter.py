@@ -37,7 +37,7 @@ from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, bui
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target, layer_output_ids
-from specdec.types import Committed, DraftProposal, Requirements, chain_parents
+from specdec.types import Committed, DraftProposal, Requirements
 
 __all__ = ["BlockDrafter", "BlockState", "DFlashDrafter", "tiny_block_config"]
 
@@ -140,7 +140,7 @@ class BlockDrafter(Drafter):
         for b, p in enumerate(state.pending):
             feats[b, : p.shape[0]] = p
         store = state.cache
-        plan = store.plan(chain_parents(n, B, self.target.device))  # positions: each row's next n
+        plan = store.plan(length=n)  # positions: each row's next n
         for i, (k, v) in enumerate(self.model.context_kv(self.model.project_context(feats), plan.position_ids)):
             store.write(i, k, v)
         store.commit(torch.arange(n, device=counts.device).unsqueeze(0) < counts.unsqueeze(1))  # padding: holes

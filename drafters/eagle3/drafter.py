@@ -45,7 +45,7 @@ from specdec.drafters.eagle3.tree import (DEFAULT_STATIC_TREE, MAX_TREE_DEPTH, S
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target
-from specdec.types import Committed, DraftProposal, Requirements, chain_parents
+from specdec.types import Committed, DraftProposal, Requirements
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3State", "TREES", "DEFAULT_STATIC_TREE"]
 
@@ -209,7 +209,7 @@ class Eagle3Drafter(Drafter):
         tokens = torch.where(last, c.next_tokens.to(dev).unsqueeze(1), nxt).clamp(min=0)
         feats = torch.cat([c.hidden[i] for i in model.spec.layer_ids], dim=-1)
         g = model.fuse(feats)
-        plan = state.cache.plan(chain_parents(m, B, dev))
+        plan = state.cache.plan(length=m)  # a chain: no ancestor matrix
         cos, sin = model.rope(g, plan.position_ids)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
         keys, values = state.cache.write(0, k, v)
