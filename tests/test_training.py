@@ -490,3 +490,13 @@ def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
     assert data["eagle3"][1]["mal4"] == pytest.approx(1 + 0.6 + 0.6 * 0.3, abs=1e-3)
     table = (tmp_path / "out" / "curves.md").read_text()
     assert "| eagle3 | 1,400 |" in table and "smollm2_mtp" in table and (tmp_path / "out" / "curves.png").stat().st_size
+
+
+def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
+    from specdec.training.trainer import _resumable
+
+    base = dict(recipe="specdec.drafters.eagle3.train.Eagle3Recipe", out="x", target=None)
+    old = TrainConfig(**base, options={"draft_vocab": 64})  # written before fc_norm existed
+    new = TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": False})
+    assert _resumable(old) == _resumable(new)
+    assert _resumable(old) != _resumable(TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": True}))

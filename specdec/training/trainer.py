@@ -157,10 +157,16 @@ def _across(acc: Accelerator, values: dict[str, Metric], how: str) -> dict[str, 
 
 
 def _resumable(cfg: TrainConfig) -> dict[str, Any]:
-    """The settings a resumed run must share with the run it continues."""
+    """The settings a resumed run must share with the run it continues; the recipe's options with
+    their defaults filled in, so an option added to a recipe later (at its default) still resumes."""
     d = asdict(cfg)
     d["optim"].pop("stop_after")
+    d["options"] = _with_defaults(cfg.recipe, d["options"])
     return {k: d[k] for k in ("recipe", "options", "target", "data", "optim", "seed")}
+
+
+def _with_defaults(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(load_recipe(recipe, options).options)))
 
 
 def _rng_keys(process: int) -> tuple[str, str]:
@@ -197,7 +203,9 @@ def _load_state(path: Path, acc: Accelerator, model: nn.Module, opt: torch.optim
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         data = {k: f.get_tensor(k) for k in f.keys()}
-    if json.loads(meta["config"]) != json.loads(json.dumps(_resumable(cfg))):
+    saved = json.loads(meta["config"])
+    saved["options"] = _with_defaults(saved["recipe"], saved["options"])
+    if saved != json.loads(json.dumps(_resumable(cfg))):
         raise ValueError(f"{path} was written by a run with other settings; resume it with the same config")
     model.load_state_dict({k[6:]: v for k, v in data.items() if k.startswith("model.")})
     sd = opt.state_dict()
