@@ -123,8 +123,10 @@ def resolve_checkpoint(name: str | Path) -> Path:
     safetensors and JSON only, when the hub answers). Any other name fails with what was tried."""
     if not isinstance(name, (str, Path)):
         raise TypeError(f"checkpoint must be a folder, a committed checkpoint name or a hub id, got {type(name).__name__}")
-    if Path(name).is_dir():
+    if Path(name).is_dir() and not _recorded_only(Path(name)):
         return Path(name)
+    if Path(name).is_dir():  # a recorded but uncommitted checkpoint, named by its folder
+        name = Path(name).name
     committed = committed_checkpoints()
     if str(name) in committed:
         return committed[str(name)]
@@ -153,6 +155,11 @@ def _checkpoint_root() -> Path | None:
         return None
 
 
+def _recorded_only(folder: Path) -> bool:
+    """A checkpoint folder that keeps how it was made (``training.json``) but not its weights."""
+    return (folder / "training.json").is_file() and not (folder / "config.json").is_file()
+
+
 def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
     """Name → (reproducing command, the folder it writes) of every checkpoint recorded but not
     committed: its folder keeps only ``training.json`` (how it was made and what it measured)."""
@@ -161,9 +168,12 @@ def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
         return {}
     out = {}
     for p in sorted(root.iterdir()):
-        if (p / "training.json").is_file() and not (p / "config.json").is_file():
+        if _recorded_only(p):
             rec = json.loads((p / "training.json").read_text())
-            out[p.name] = (rec["command"], rec["config"]["out"])
+            if rec.get("equivalent_command"):  # the one trainer's recipe, which writes to this folder
+                out[p.name] = (rec["equivalent_command"], f"experiments/checkpoints/{p.name}")
+            else:
+                out[p.name] = (rec["command"], rec["config"]["out"])
     return out
 
 

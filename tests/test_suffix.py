@@ -276,7 +276,7 @@ def test_sampling_is_lossless_with_a_shared_global_tree(target):
 def test_proposals_are_deterministic_trees_of_depth_at_most_k(target):
     rec = Recording(SuffixDrafter.create(target, max_spec_tokens=8))
     # sampled rows of one prompt: the shared global tree sees several continuations of one context
-    reqs = [Request([1, 2, 1, 2, 1, 2, 3], 16, SamplingParams(temperature=1.0, seed=s)) for s in range(8)]
+    reqs = [Request([1, 2, 1, 2, 1, 2, 3], 16, SamplingParams(temperature=1.0, seed=s)) for s in range(16)]
     run(target, rec, RejectionVerifier(), reqs + [Request([5, 5, 5, 5], 16)], k=3, eos_token_ids=set())
     ragged = branched = False
     for p in rec.proposals:

@@ -136,6 +136,16 @@ def test_checkpoints_by_name_and_clear_errors_for_missing_ones(target, tmp_path)
     assert (resolve_checkpoint("smollm2-135m-eagle3") / "model.safetensors").is_file()
     with pytest.raises(FileNotFoundError, match="committed checkpoints: .*smollm2-135m-eagle3"):
         specdec.make_drafter("eagle3", target, checkpoint="org/some-eagle3")
+    from specdec.models import uncommitted_checkpoints
+
+    recorded = uncommitted_checkpoints()  # kept as training.json only: the size budget
+    assert recorded and not set(recorded) & set(committed)
+    name, (command, out) = next(iter(recorded.items()))
+    assert "experiments/train.py" in command and out.endswith(name)
+    with pytest.raises(FileNotFoundError, match=f"is not committed .* make it, from the repository root, with: .*train.py.*{out}"):
+        resolve_checkpoint(name)
+    with pytest.raises(FileNotFoundError, match="is not committed"):  # by its folder's path, as the configs name it
+        resolve_checkpoint(committed["smollm2-135m-eagle3"].parent / name)
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(ValueError, match="only pickled weights"):
