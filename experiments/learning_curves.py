@@ -104,10 +104,10 @@ def report(args: argparse.Namespace) -> None:
         acc = [f"{a:.3f}" for a in last["accept"][:4]] + ["–"] * (4 - min(4, len(last["accept"])))
         rows.append(f"| {f} | {last['response_tokens']:,} | {meta['wall_seconds']:.0f} | {' | '.join(acc)} "
                     f"| {last['mal4']:.2f} |")
-    axes[0].set(xlabel="training response tokens (thousands)", ylabel="held-out acceptance, position 1",
+    axes[0].set(xlabel="training response tokens seen (thousands)", ylabel="held-out acceptance, position 1 (recipe's estimate)",
                 title="first-position acceptance")
-    axes[1].set(xlabel="training response tokens (thousands)", ylabel="mean accepted length, chain k=4 (est.)",
-                title="accepted length vs data")
+    axes[1].set(xlabel="training response tokens seen (thousands)", ylabel="mean accepted length, chain k=4 (est.)",
+                title="accepted length vs data seen")
     axes[2].set(xlabel="training wall time (minutes, one CPU thread)", ylabel="mean accepted length, chain k=4 (est.)",
                 title="accepted length vs compute")
     for ax in axes:
