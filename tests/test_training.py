@@ -351,7 +351,8 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
 
 def test_entry_point_trains_and_records_its_command(tmp_path):
     path = random_data(tmp_path / "d.safetensors")
-    args = ["experiments/train.py", "--config-name", "smollm2_eagle3", "target.model=tiny", f"data.path={path}", "data.held_out_every=4", "options.draft_vocab=16", "options.layer_ids=[0,1,2]",
+    args = ["experiments/train.py", "--config-name", "smollm2_eagle3", "target.model=tiny", "data.source=distill",
+            f"data.path={path}", "data.held_out_every=4", "options.draft_vocab=16", "options.layer_ids=[0,1,2]",
             "optim.steps=2", f"out={tmp_path / 'out'}", f"work={tmp_path / 'work'}"]
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
