@@ -97,3 +97,10 @@ def test_demo_help_documents_every_option():
     assert all(h and len(h) > 10 for h in options.values()), options
     out = subprocess.run([sys.executable, "-m", "specdec.eval.demo", "--help"], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0 and "draft and verify costs" in out.stdout, out.stderr
+
+
+def test_the_demo_names_the_recipe_of_an_uncommitted_drafter_without_a_traceback():
+    from specdec.eval.demo import main
+
+    with pytest.raises(SystemExit, match="specdec-demo: checkpoint 'smollm2-135m-dflash' is not committed.*train.py"):
+        main(["--drafter", "dflash", "--k", "4"])

@@ -114,11 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    k, k_source = (args.k, "--k") if args.k is not None else default_k(args.drafter)
+    try:
+        k, k_source = (args.k, "--k") if args.k is not None else default_k(args.drafter)
+        options = drafter_options(args.drafter)
+        if "checkpoint" in options:
+            from specdec.models import resolve_checkpoint
+
+            resolve_checkpoint(options["checkpoint"])
+    except FileNotFoundError as e:  # a checkpoint recorded but not committed: its recipe, no traceback
+        raise SystemExit(f"specdec-demo: {e}") from None
     target = specdec.load_target("smollm2-135m", dtype=torch.float32)
     sampling = specdec.SamplingParams(temperature=args.temperature, seed=args.seed)
     common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=True)
-    drafter = specdec.make_drafter(args.drafter, target, **drafter_options(args.drafter))
+    drafter = specdec.make_drafter(args.drafter, target, **options)
     for d in (None, drafter):  # warm-up: first calls pay for allocation and lazy initialisation
         specdec.generate(target, args.prompt, d, k=k, max_new_tokens=4, chat=True)
     base = specdec.generate(target, args.prompt, None, **common)
