@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from specdec.eval.config import RooflineConfig, RunConfig
-from specdec.eval.roofline import ForwardCost, LibraryForward, PeakMemory, TransformersForward, tree_parents
+from specdec.eval.roofline import (ForwardCost, GeneralLibraryForward, LibraryForward, PeakMemory,
+                                   TransformersForward, tree_parents)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,8 @@ def _forwards_agree(target, tree: bool, tol: float) -> None:
     parents = tree_parents(6) if tree else None
     logits = []
     with torch.inference_mode():
-        for fwd in (LibraryForward(target, context), TransformersForward(target, context)):
+        for fwd in (LibraryForward(target, context), GeneralLibraryForward(target, context),
+                    TransformersForward(target, context)):
             for _ in range(2):  # the second forward sees the same context as the first
                 logits.append(fwd.call(tokens, parents)().logits.float())
                 fwd.drop(tokens)
@@ -142,7 +144,7 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
             assert r["identical_to_baseline"] == r["requests"] == 1
 
     table = (tmp_path / "roofline.md").read_text()
-    assert all(f"| {name} |" in table for name in ("library", "transformers", "roofline", "ngram", "eagle3"))
+    assert all(f"| {name} |" in table for name in ("library", "library_general", "transformers", "roofline", "ngram", "eagle3"))
     for fig in ("roofline_time.png", "roofline_ratio.png", "context.png"):
         assert (tmp_path / fig).stat().st_size > 10_000, fig
     assert all((tmp_path / f"speedup_ctx{c}" / "summary.json").exists() for c in rc.speedup_contexts)

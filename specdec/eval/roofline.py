@@ -15,6 +15,8 @@ What it measures (the grid is :class:`~specdec.eval.config.RooflineConfig`; ever
    a binary tree of m nodes (node i hangs off node (i − 1) // 2; m ≥ 3, smaller trees are chains):
    - ``library``: what the loop verifies with, ``Target.forward(session, tokens, parents)`` on a
      session its ``prefill`` filled (its KV store, its masks, built inside the forward);
+   - ``library_general``: the same with the fast paths off (``Target(fast=False)``: a chain too gets
+     an ancestor matrix and a 4-D mask), what the fast paths save, measured in the same run;
    - ``transformers``: ``model(input_ids, cache=DynamicCache)``; a chain passes no mask
      (transformers' causal path), a tree a 4-D additive mask and per-node positions built before
      the clock starts.
@@ -231,6 +233,15 @@ class LibraryForward:
         self.session.cache.compact()
 
 
+class GeneralLibraryForward(LibraryForward):
+    """The library's forward with its fast paths off (``Target(fast=False)``, the same model): every block,
+    a chain too, through the general path, an ancestor matrix and a 4-D mask. Beside ``library`` in one
+    run it measures what the chain fast paths save."""
+
+    def __init__(self, target: Target, context: Tensor):  # context [B, C]
+        super().__init__(Target(target.model, target.tokenizer, fast=False), context)
+
+
 class TransformersForward:
     """Plain transformers on the same model: ``model(input_ids, cache=DynamicCache)``."""
 
@@ -262,8 +273,8 @@ class TransformersForward:
         self.cache.crop(-tokens.shape[1])  # transformers 5: a negative count of tokens to remove
 
 
-IMPLS: dict[str, type[LibraryForward] | type[TransformersForward]] = {"library": LibraryForward,
-                                                                      "transformers": TransformersForward}
+IMPLS: dict[str, type[LibraryForward] | type[TransformersForward]] = {
+    "library": LibraryForward, "library_general": GeneralLibraryForward, "transformers": TransformersForward}
 
 
 # ------------------------------------------------------------------------------------------------

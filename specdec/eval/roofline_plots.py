@@ -16,7 +16,7 @@ from typing import Any
 
 __all__ = ["plot_all"]
 
-COLORS = {"library": "tab:blue", "transformers": "tab:orange"}
+COLORS = {"library": "tab:blue", "library_general": "tab:green", "transformers": "tab:orange"}
 STYLES = {"chain": "-", "tree": "--"}
 
 
