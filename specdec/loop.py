@@ -192,7 +192,8 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         proposal.check_shapes(nb, V)
         bad = proposal.invalid(V)  # read with the step's one synchronisation, below
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            proposal = proposal.with_num_valid(policy.choose(chosen, proposal, torch.tensor(live)))
+            live_ids = torch.tensor(live)  # [nb] the rows' request ids, for the policy's per-request state
+            proposal = proposal.with_num_valid(policy.choose(chosen, proposal, live_ids))
         proposal = _trim(proposal)
         tb = clock()
         n = proposal.n
@@ -237,7 +238,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
             drafter.observe(state, committed)
         tf = clock()
         if policy is not None:
-            policy.observe(chosen, proposal, ver.num_accepted, torch.tensor(live), (tb - ta) + (tf - te), td - tb)
+            policy.observe(chosen, proposal, ver.num_accepted, live_ids, (tb - ta) + (tf - te), td - tb)
         last = ver.next_tokens
         session.cache.maybe_compact(committed_len)
         tg = clock()
