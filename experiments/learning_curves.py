@@ -10,7 +10,9 @@ with held-out figures every ``--eval-every`` steps. Each run is one ``experiment
 command, recorded in its ``training.json``; a finished family is skipped and an interrupted one
 resumes from its state. ``report`` reads those records and writes the curves (held-out acceptance
 at position 1 and the chain mean accepted length it implies at k = 4, against training response
-tokens and against wall time) as JSON, a markdown table and a figure.
+tokens and against wall time) as JSON, a markdown table and a figure. With ``--decoded`` (the
+runner's sweep folder of ``experiments/conf/smollm2_curves_decode.yaml``: the finished checkpoints
+decoded, greedy and at T = 1) it adds their measured acceptance and accepted length.
 
 The held-out figures are each recipe's own estimate (:meth:`Recipe.loss` on held-out corpus
 sequences: the draft's argmax against the target's, per position, given the true prefix), the same
@@ -116,8 +118,42 @@ def report(args: argparse.Namespace) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
     cmds = "\n".join(f"- {f}: `{p[-1]['command']}`" for f, p in data.items())
-    out.with_suffix(".md").write_text("\n".join(rows) + "\n\nCommands:\n\n" + cmds + "\n")
-    print("\n".join(rows))
+    text = "\n".join(rows) + "\n\nCommands:\n\n" + cmds + "\n"
+    if args.decoded:
+        found = decoded(ROOT / args.decoded)
+        data["decoded"] = found
+        text += "\n" + decoded_table(found)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def decoded(sweep: Path) -> list[dict]:
+    """Every method of every job under ``sweep`` (the runner's ``summary.json`` and ``config.json``):
+    sampling temperature, method, mean accepted length, acceptance per drafted position, speedup."""
+    found = []
+    for summary in sorted(sweep.glob("*/summary.json")):
+        temperature = json.loads((summary.parent / "config.json").read_text())["config"]["sampling"]["temperature"]
+        for name, r in json.loads(summary.read_text()).items():
+            if r.get("drafter") is None:
+                continue
+            found.append({"temperature": temperature, "method": name, "requests": r["requests"],
+                          "new_tokens": r["new_tokens"], "mean_accepted_length": r["mean_accepted_length"],
+                          "acceptance_at": r["acceptance_at"], "speedup": r.get("speedup"),
+                          "identical_to_baseline": r.get("identical_to_baseline")})
+    return found
+
+
+def decoded_table(found: list[dict]) -> str:
+    """Markdown: one row per (temperature, method); acceptance at position i counts the rows that drafted
+    that deep (not given that position i - 1 was accepted), so their sum plus one is the accepted length."""
+    rows = ["| T | method | mean accepted length | acceptance at positions 1–k | speedup | identical to AR |",
+            "|---|---|---:|---|---:|---:|"]
+    for r in sorted(found, key=lambda r: (r["temperature"], -r["mean_accepted_length"])):
+        same = "–" if r["temperature"] else f"{r['identical_to_baseline']}/{r['requests']}"
+        rows.append(f"| {r['temperature']:g} | {r['method']} | {r['mean_accepted_length']:.2f} | "
+                    f"{' '.join(f'{a:.2f}' for a in r['acceptance_at'])} | {r['speedup']:.2f}x | {same} |")
+    return "Decoded (the finished checkpoints, held-out MT-bench first turns):\n\n" + "\n".join(rows) + "\n"
 
 
 def main() -> None:
@@ -132,6 +168,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--runs", default="outputs/curves", help="run folders, relative to the repository root")
     ap.add_argument("--out", default="docs/learning_curves", help="report path without suffix")
+    ap.add_argument("--decoded", default=None, help="the checkpoints' decoding sweep folder (smollm2_curves_decode)")
     args = ap.parse_args()
     args.families = tuple(args.families)
     run(args) if args.action == "run" else report(args)

@@ -483,14 +483,25 @@ def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
         (tmp_path / "runs" / family / RECORD_FILE).write_text(json.dumps(
             {"command": f"python experiments/train.py --config-name smollm2_{family}", "wall_seconds": 20.0,
              "log": [{"step": 1, "loss": 1.0}, *log]}))
+    for job, temperature in (("0_sampling=greedy", 0.0), ("1_sampling=sample", 1.0)):  # the decoding sweep
+        (tmp_path / "sweep" / job).mkdir(parents=True)
+        (tmp_path / "sweep" / job / "config.json").write_text(json.dumps({"config": {"sampling": {"temperature": temperature}}}))
+        (tmp_path / "sweep" / job / "summary.json").write_text(json.dumps({
+            "ar": {"drafter": None, "requests": 2, "mean_accepted_length": 1.0},
+            "eagle3 k=4": {"drafter": "eagle3", "requests": 2, "new_tokens": 96, "mean_accepted_length": 1.3 + temperature,
+                           "acceptance_at": [0.25, 0.05, 0.0, 0.0], "speedup": 0.7, "identical_to_baseline": 2}}))
     args = curves.argparse.Namespace(runs=str(tmp_path / "runs"), families=("eagle3", "dflash", "mtp"),
-                                     out=str(tmp_path / "out" / "curves"))
+                                     out=str(tmp_path / "out" / "curves"), decoded=str(tmp_path / "sweep"))
     curves.report(args)
     data = json.loads((tmp_path / "out" / "curves.json").read_text())
-    assert list(data) == ["eagle3", "mtp"] and [p["response_tokens"] for p in data["eagle3"][:-1]] == [700, 1400]
+    assert list(data) == ["eagle3", "mtp", "decoded"] and [p["response_tokens"] for p in data["eagle3"][:-1]] == [700, 1400]
     assert data["eagle3"][1]["mal4"] == pytest.approx(1 + 0.6 + 0.6 * 0.3, abs=1e-3)
+    assert [(d["temperature"], d["method"], d["mean_accepted_length"]) for d in data["decoded"]] == [
+        (0.0, "eagle3 k=4", 1.3), (1.0, "eagle3 k=4", 2.3)]  # the autoregressive baselines are not methods
     table = (tmp_path / "out" / "curves.md").read_text()
     assert "| eagle3 | 1,400 |" in table and "smollm2_mtp" in table and (tmp_path / "out" / "curves.png").stat().st_size
+    assert "| 0 | eagle3 k=4 | 1.30 | 0.25 0.05 0.00 0.00 | 0.70x | 2/2 |" in table
+    assert "| 1 | eagle3 k=4 | 2.30 | 0.25 0.05 0.00 0.00 | 0.70x | – |" in table
 
 
 def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
