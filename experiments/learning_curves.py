@@ -153,7 +153,9 @@ def decoded_table(found: list[dict]) -> str:
         same = "–" if r["temperature"] else f"{r['identical_to_baseline']}/{r['requests']}"
         rows.append(f"| {r['temperature']:g} | {r['method']} | {r['mean_accepted_length']:.2f} | "
                     f"{' '.join(f'{a:.2f}' for a in r['acceptance_at'])} | {r['speedup']:.2f}x | {same} |")
-    return "Decoded (the finished checkpoints, held-out MT-bench first turns):\n\n" + "\n".join(rows) + "\n"
+    return ("Decoded (the finished checkpoints, held-out MT-bench first turns; "
+            "`python experiments/run.py --config-name smollm2_curves_decode -m progress=false`):\n\n"
+            + "\n".join(rows) + "\n")
 
 
 def main() -> None:
