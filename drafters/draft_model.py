@@ -86,19 +86,17 @@ class DraftModelDrafter(Drafter):
         cached = cache.lengths.tolist()
         pending = [h[c:] for h, c in zip(state.history, cached)]
         width = max(len(p) for p in pending)
-        block = torch.zeros(len(pending), width, dtype=torch.long)
-        for b, p in enumerate(pending):
-            block[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-        n_pending = torch.tensor([len(p) for p in pending])
         dev = self.draft.device
-        out = self.draft.forward(state.session, block.to(dev), logits_rows=(n_pending - 1).unsqueeze(1).to(dev))
-        self.draft.commit(state.session, torch.arange(width).unsqueeze(0) < n_pending.unsqueeze(1))
+        block = torch.tensor([p + [0] * (width - len(p)) for p in pending], dtype=torch.long, device=dev)
+        n_pending = torch.tensor([len(p) for p in pending], device=dev)
+        out = self.draft.forward(state.session, block, logits_rows=(n_pending - 1).unsqueeze(1))
+        self.draft.commit(state.session, torch.arange(width, device=dev).unsqueeze(0) < n_pending.unsqueeze(1))
         tokens, qs = [], []
         logits = out.logits[:, 0]
         for j in range(k):
             if j:
                 logits = self.draft.forward(state.session, tokens[-1].unsqueeze(1)).logits[:, 0]
-                self.draft.commit(state.session, torch.ones(len(pending), 1, dtype=torch.bool))
+                self.draft.commit(state.session, torch.ones(len(pending), 1, dtype=torch.bool, device=dev))
             x, q = rows.draw(logits, self.greedy_draft)
             tokens.append(x)
             qs.append(q)

@@ -59,12 +59,10 @@ class NgramDrafter(Drafter):
 
     def propose(self, state: list[list[int]], k: int, rows: RowSampling) -> DraftProposal:
         drafts = [lookup(h, k, self.config.max_ngram, self.config.min_ngram) for h in state]
-        tokens = torch.zeros(len(state), k, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        num_valid = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         dev = self.target.device
-        return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev))
+        tokens = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=dev)
+        num_valid = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=dev)
+        return DraftProposal.chain(tokens, None, num_valid)
 
     def observe(self, state: list[list[int]], committed: Committed) -> None:
         for h, toks, n, nxt in zip(state, committed.tokens.tolist(), committed.num_tokens.tolist(),

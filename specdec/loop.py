@@ -179,7 +179,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
             kept = [b for b, a in enumerate(active) if a]
             if not kept:
                 break
-            keep_rows = torch.tensor(kept)
+            keep_rows = torch.tensor(kept, device="cpu")  # the drafters' row selection is a host tensor
             on_dev = _upload(keep_rows, dev)
             session.cache.select_rows(on_dev)
             rows, last = rows.select(kept), last[on_dev]
@@ -192,7 +192,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         proposal.check_shapes(nb, V)
         bad = proposal.invalid(V)  # read with the step's one synchronisation, below
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            live_ids = torch.tensor(live)  # [nb] the rows' request ids, for the policy's per-request state
+            live_ids = torch.tensor(live, device="cpu")  # [nb] the rows' request ids: host-side policy state
             proposal = proposal.with_num_valid(policy.choose(chosen, proposal, live_ids))
         proposal = _trim(proposal)
         tb = clock()
@@ -229,7 +229,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         committed = Committed(
             tokens=torch.where(in_path, inputs.gather(1, order), -1), num_tokens=ver.num_accepted + 1,
             positions=base.unsqueeze(1) + torch.arange(n + 1, device=dev), next_tokens=ver.next_tokens,
-            active=_upload(torch.tensor(active), dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
+            active=_upload(torch.tensor(active, device="cpu"), dev), hidden={i: _gather(h, order) for i, h in out.hidden.items()},
             final_hidden=None if out.final_hidden is None else _gather(out.final_hidden, order),
             verification=ver, target_cache=shared_cache,
         )

@@ -44,6 +44,8 @@ from specdec.types import DraftProposal, node_depths
 __all__ = ["Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "best_lengths", "make_policy",
            "POLICIES"]
 
+_HOST = torch.device("cpu")  # the policy's statistics and choices are small: kept and computed on the host
+
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise-linear in x, extrapolated linearly past both ends."""
@@ -148,7 +150,7 @@ def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
     B, K = survival.shape
     levels = levels.long()
     n = int(levels[:, -1].max()) if B else 0
-    widths = torch.arange(n + 1)
+    widths = torch.arange(n + 1, device=levels.device)
     # deepest level of each row that fits in each width [n+1, B]: levels that add nodes (a row's
     # levels past its deepest node add none) and fit
     adds = levels[:, 1:] > levels[:, :-1]  # [B, K]
@@ -157,7 +159,8 @@ def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
     gain = torch.cat([survival.new_zeros(B, 1), survival.double().cumsum(1)], 1)  # [B, K+1]
     tau = B + gain.gather(1, depth.T).T.sum(1)  # [n+1] expected tokens of the step
     block = kept.max(1).values  # [n+1] the block width actually needed
-    step = torch.tensor([costs.verify(B * (1 + int(w))) for w in block.tolist()], dtype=torch.float64)
+    step = torch.tensor([costs.verify(B * (1 + int(w))) for w in block.tolist()], dtype=torch.float64,
+                        device=tau.device)
     theta = tau / (step + costs.draft(B)).clamp(min=1e-12)
     best = int(torch.nonzero(theta >= theta.max() * (1 - 1e-12))[0])
     return kept[best]
@@ -209,13 +212,13 @@ class AdaptivePolicy(DraftPolicy):
         self.prior, self.prior_weight = prior, prior_weight  # acceptance before any observation, and its weight
         self.memory, self.global_memory = memory, global_memory  # per-step decay of a request's / all counts
         self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
-        self.tested = torch.zeros(0, dtype=torch.float64)  # [K] over every request seen: the shrinkage target
-        self.accepted = torch.zeros(0, dtype=torch.float64)
-        self.cal_tested = torch.zeros(self.BINS, dtype=torch.float64)  # per confidence bin
-        self.cal_accepted = torch.zeros(self.BINS, dtype=torch.float64)
+        self.tested = torch.zeros(0, dtype=torch.float64, device=_HOST)  # [K] over every request seen: the shrinkage target
+        self.accepted = torch.zeros(0, dtype=torch.float64, device=_HOST)
+        self.cal_tested = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)  # per confidence bin
+        self.cal_accepted = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)
 
     def start(self, batch: int, k: int) -> _RunState:
-        z = torch.zeros(batch, k, dtype=torch.float64)
+        z = torch.zeros(batch, k, dtype=torch.float64, device=_HOST)
         return _RunState(z, z.clone(), probe_gap=self.probe_every)
 
     # --- choosing ---------------------------------------------------------------------------
@@ -247,11 +250,11 @@ class AdaptivePolicy(DraftPolicy):
         assert proposal.num_valid is not None
         depth = node_depths(proposal.parents).cpu()  # [B, n]
         nv = proposal.num_valid.cpu()
-        valid = torch.arange(proposal.n).unsqueeze(0) < nv.unsqueeze(1)
+        valid = torch.arange(proposal.n, device=_HOST).unsqueeze(0) < nv.unsqueeze(1)
         depth = torch.where(valid, depth, 0)
         K = int(depth.max())
         run_max = torch.where(valid, depth.cummax(1).values, K + 1)  # [B, n], padding past every level
-        levels = (run_max.unsqueeze(1) <= torch.arange(K + 1).view(1, -1, 1)).sum(-1)  # [B, K+1]
+        levels = (run_max.unsqueeze(1) <= torch.arange(K + 1, device=_HOST).view(1, -1, 1)).sum(-1)  # [B, K+1]
         return depth, levels, K
 
     @staticmethod
@@ -282,9 +285,9 @@ class AdaptivePolicy(DraftPolicy):
     def _grow(self, state: _RunState, K: int) -> None:
         """The run's and the global counts, both as deep as the deepest draft either has seen."""
         K = max(K, state.tested.shape[1], self.tested.numel())
-        pad = torch.zeros(state.tested.shape[0], K - state.tested.shape[1], dtype=torch.float64)
+        pad = torch.zeros(state.tested.shape[0], K - state.tested.shape[1], dtype=torch.float64, device=_HOST)
         state.tested, state.accepted = torch.cat([state.tested, pad], 1), torch.cat([state.accepted, pad], 1)
-        pad = torch.zeros(K - self.tested.numel(), dtype=torch.float64)
+        pad = torch.zeros(K - self.tested.numel(), dtype=torch.float64, device=_HOST)
         self.tested, self.accepted = torch.cat([self.tested, pad]), torch.cat([self.accepted, pad])
 
     # --- learning -----------------------------------------------------------------------------
@@ -300,7 +303,7 @@ class AdaptivePolicy(DraftPolicy):
         self._grow(state, K)
         verified = depth.max(1).values  # [B] deepest node verified
         acc = num_accepted.cpu()
-        d = torch.arange(1, state.tested.shape[1] + 1).unsqueeze(0)  # [1, K]
+        d = torch.arange(1, state.tested.shape[1] + 1, device=_HOST).unsqueeze(0)  # [1, K]
         reached = (d <= verified.unsqueeze(1)) & (d <= acc.unsqueeze(1) + 1)  # depth d was tested
         won = reached & (d <= acc.unsqueeze(1))
         r, seen = requests.cpu(), verified > 0
@@ -312,7 +315,7 @@ class AdaptivePolicy(DraftPolicy):
             self.accepted = self.accepted * self.global_memory + won.sum(0)
         conf = self._confidence(proposal)
         if conf is not None:
-            j = torch.arange(proposal.n).unsqueeze(0)
+            j = torch.arange(proposal.n, device=_HOST).unsqueeze(0)
             tried = (j < proposal.num_valid.cpu().unsqueeze(1)) & (j <= acc.unsqueeze(1))
             b = self._bin(conf)[tried]
             self.cal_tested = self.cal_tested * self.global_memory + torch.bincount(b, minlength=self.BINS)

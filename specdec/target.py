@@ -391,12 +391,11 @@ class Target:
         Returns the output (logits at each prompt's last token only, [B, 1, V]; features for
         every prompt token), the padded prompt tokens [B, L] (-1 padded) and their lengths [B].
         """
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        dev = self.device
         L = max(len(p) for p in prompts)
-        padded = torch.full((len(prompts), L), -1, dtype=torch.long)
-        for b, p in enumerate(prompts):
-            padded[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        padded = torch.tensor([[*p] + [-1] * (L - len(p)) for p in prompts], dtype=torch.long, device=dev)
         out = self.forward(session, padded.clamp(min=0), logits_rows=(lengths - 1).unsqueeze(1))
         ragged = any(len(p) != L for p in prompts)  # equal lengths keep the store dense
-        self.commit(session, torch.arange(L).unsqueeze(0) < lengths.unsqueeze(1) if ragged else None)
-        return out, padded.to(self.device), lengths.to(self.device)
+        self.commit(session, torch.arange(L, device=dev).unsqueeze(0) < lengths.unsqueeze(1) if ragged else None)
+        return out, padded, lengths

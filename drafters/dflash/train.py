@@ -60,24 +60,24 @@ class BlockBatch:
 
 def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]``, sorted;
-    returns anchors [B, A] and which are real [B, A]."""
-    B = batch.tokens.shape[0]
-    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
-    keep = torch.zeros(B, num_anchors, dtype=torch.bool)
-    for b in range(B):
-        lo, hi = int(batch.response_start[b]), int(batch.lengths[b]) - 1  # need a label after the anchor
+    returns anchors [B, A] and which are real [B, A], on the batch's device (drawn on the generator's)."""
+    B, host = batch.tokens.shape[0], gen.device
+    anchors = torch.zeros(B, num_anchors, dtype=torch.long, device=host)
+    keep = torch.zeros(B, num_anchors, dtype=torch.bool, device=host)
+    for b, (start, length) in enumerate(zip(batch.response_start.tolist(), batch.lengths.tolist())):
+        lo, hi = start, length - 1  # need a label after the anchor
         n = max(hi - lo, 0)
-        pick = (torch.randperm(n, generator=gen)[:num_anchors] + lo).sort().values
+        pick = (torch.randperm(n, generator=gen, device=host)[:num_anchors] + lo).sort().values
         anchors[b, : pick.numel()] = pick
         keep[b, : pick.numel()] = True
-    return anchors, keep
+    return anchors.to(batch.tokens.device), keep.to(batch.tokens.device)
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
     """[B, A·b, T + A·b] bool: a block sees context before its anchor and its own block."""
-    B, A = anchors.shape
-    q_block = torch.arange(A * b) // b  # [Q]
-    ctx = torch.arange(T).view(1, 1, T) < anchors[:, q_block].unsqueeze(-1)  # [B, Q, T]
+    (B, A), dev = anchors.shape, anchors.device
+    q_block = torch.arange(A * b, device=dev) // b  # [Q]
+    ctx = torch.arange(T, device=dev).view(1, 1, T) < anchors[:, q_block].unsqueeze(-1)  # [B, Q, T]
     own = (q_block.view(-1, 1) == q_block.view(1, -1)).expand(B, -1, -1)  # [B, Q, Q]
     mask = torch.cat([ctx, own], -1) & keep[:, q_block].unsqueeze(-1)
     mask[..., T:] |= ~keep[:, q_block].unsqueeze(-1) & own  # padding blocks: attend to themselves only
@@ -90,13 +90,13 @@ def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, ancho
     tokens [B, A, b] (``[x_a, MASK…]``)."""
     b, (B, T), A = model.cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
-    positions = (anchors.unsqueeze(-1) + torch.arange(b)).view(B, A * b)
-    block_tokens = torch.full((B, A, b), model.cfg.mask_token_id, dtype=torch.long)
+    positions = (anchors.unsqueeze(-1) + torch.arange(b, device=dev)).view(B, A * b)
+    block_tokens = torch.full((B, A, b), model.cfg.mask_token_id, dtype=torch.long, device=dev)
     block_tokens[:, :, 0] = batch.tokens.gather(1, anchors)
-    block = embed(block_tokens.view(B, A * b).to(dev)).float()
+    block = embed(block_tokens.view(B, A * b)).float()
     ctx = model.project_context(batch.features.float())
-    ctx_kv = model.context_kv(ctx, torch.arange(T).expand(B, T).to(dev))
-    hidden = model(block, positions.to(dev), ctx_kv, _block_mask(anchors, keep, T, b).to(dev))
+    ctx_kv = model.context_kv(ctx, torch.arange(T, device=dev).expand(B, T))
+    hidden = model(block, positions, ctx_kv, _block_mask(anchors, keep, T, b))
     return hidden.view(B, A, b, -1), block_tokens
 
 
@@ -125,7 +125,7 @@ def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch:
     first = 0 if cfg.anchor_predicts else 1  # which block positions draft
     h = hidden[:, :, first:]
     n_draft = b - first
-    label_idx = anchors.unsqueeze(-1) + torch.arange(1, n_draft + 1)  # [B, A, γ]
+    label_idx = anchors.unsqueeze(-1) + torch.arange(1, n_draft + 1, device=dev)  # [B, A, γ]
     valid = (label_idx < batch.lengths.view(B, 1, 1)) & keep.unsqueeze(-1)
     safe = label_idx.clamp(max=T - 1)
     tokens = batch.tokens.unsqueeze(1).expand(B, A, T).gather(2, safe)
@@ -133,13 +133,12 @@ def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch:
     if vocab is None:
         labels = tokens
     else:  # labels as indices into the subset; -1 outside it
-        index = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-        index[vocab] = torch.arange(vocab.numel())
+        index = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
+        index[vocab] = torch.arange(vocab.numel(), device=dev)
         labels = index[tokens]
     valid = valid & (labels >= 0)
-    w = torch.exp(-torch.arange(n_draft, dtype=torch.float32) / gamma) * valid.float()
-    return BlockPredictions(h, F.linear(h, head.to(h.dtype)).float(), labels.clamp(min=0).to(dev), safe,
-                            prev.to(dev), valid.to(dev), w.to(dev))
+    w = torch.exp(-torch.arange(n_draft, dtype=torch.float32, device=dev) / gamma) * valid.float()
+    return BlockPredictions(h, F.linear(h, head.to(h.dtype)).float(), labels.clamp(min=0), safe, prev, valid, w)
 
 
 def weighted_ce(p: BlockPredictions, logits: Tensor) -> Tensor:
@@ -215,8 +214,9 @@ class BlockRecipe(Recipe):
         t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
         t2d[vocab] = True
         model.set_draft_vocab(t2d)  # trained over these tokens only: draft only these
-        self.target, self.vocab, self.head = target, vocab, head_rows(target, vocab)
-        self.scale = self.feature_scale(data)
+        # what the loss reads lives with the target (the trainer places it and the model on one device)
+        self.target, self.vocab, self.head = target, vocab.to(target.device), head_rows(target, vocab)
+        self.scale = self.feature_scale(data).to(target.device)
         return model
 
     @staticmethod

@@ -113,9 +113,10 @@ class ConfidenceHead(nn.Module):
 def expected_calibration_error(pred: Tensor, target: Tensor, bins: int = 10) -> float:
     """Equal-width-bin ECE of predictions [N] in [0, 1] against (soft) outcomes [N]."""
     idx = (pred.clamp(0, 1) * bins).long().clamp(max=bins - 1)
-    count = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, torch.ones_like(pred, dtype=torch.float64))
-    p = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, pred.double())
-    t = torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, target.double())
+    dev = pred.device
+    count = torch.zeros(bins, dtype=torch.float64, device=dev).index_add_(0, idx, torch.ones_like(pred, dtype=torch.float64))
+    p = torch.zeros(bins, dtype=torch.float64, device=dev).index_add_(0, idx, pred.double())
+    t = torch.zeros(bins, dtype=torch.float64, device=dev).index_add_(0, idx, target.double())
     n = max(float(count.sum()), 1.0)
     return float(((p - t).abs()).sum() / n)
 
@@ -125,16 +126,16 @@ def calibrate_temperatures(logits: Tensor, targets: Tensor, grid: Tensor | None 
     """Sequential temperature scaling: for k = 1..γ in turn (earlier temperatures fixed), the
     ``T_k`` on ``grid`` minimising the ECE of the survival product ``Π_{i≤k} σ(z_i/T_i)`` against
     the realised product of acceptances ``Π_{i≤k} c*_i``. logits, targets [N, γ]."""
-    if grid is None:
-        grid = torch.exp(torch.linspace(-1.5, 1.5, 61))
+    if grid is None:  # on the host: the temperatures are read as Python floats, the same on any device
+        grid = torch.exp(torch.linspace(-1.5, 1.5, 61, device="cpu"))
     logits, targets = logits.double(), targets.double()
     surv_target = targets.cumprod(-1)
-    prefix = torch.ones(logits.shape[0], dtype=torch.float64)
+    prefix = torch.ones(logits.shape[0], dtype=torch.float64, device=logits.device)
     temps: list[float] = []
     for k in range(logits.shape[1]):
         errs = [expected_calibration_error(prefix * torch.sigmoid(logits[:, k] / t), surv_target[:, k], bins)
                 for t in grid.tolist()]
-        t_best = float(grid[int(torch.tensor(errs).argmin())])
+        t_best = float(grid[int(torch.tensor(errs, device="cpu").argmin())])
         temps.append(t_best)
         prefix = prefix * torch.sigmoid(logits[:, k] / t_best)
     return temps

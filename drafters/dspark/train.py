@@ -106,8 +106,9 @@ class DSparkRecipe(BlockRecipe):
         assert isinstance(model, DSparkModel)
         if model.confidence_head is None or not data.held:
             return {}
+        dev = next(model.parameters()).device  # the held-out batches come from the host
         model.eval()
-        found = [self._loss(model, b, gen)[1:] for b in data.scan("held", batch=8)]
+        found = [self._loss(model, b.to(dev), gen)[1:] for b in data.scan("held", batch=8)]
         model.train()
         z, c = torch.cat([f[0] for f in found if f[0] is not None]), torch.cat([f[1] for f in found])
         if not z.shape[0]:
@@ -120,5 +121,5 @@ class DSparkRecipe(BlockRecipe):
             pred = torch.sigmoid(z / t).cumprod(-1)
             return [expected_calibration_error(pred[:, j], surv[:, j]) for j in range(z.shape[1])]
 
-        return {"confidence_temperatures": temps, "calibration_ece_before": ece(torch.ones(())),
-                "calibration_ece_after": ece(torch.tensor(temps)), "calibration_blocks": int(z.shape[0])}
+        return {"confidence_temperatures": temps, "calibration_ece_before": ece(torch.ones((), device=dev)),
+                "calibration_ece_after": ece(torch.tensor(temps, device=dev)), "calibration_blocks": int(z.shape[0])}

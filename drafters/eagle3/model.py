@@ -83,8 +83,8 @@ def vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"draft_vocab_size must lie in [1, {V}], got {draft_vocab_size}")
     order = torch.sort(-counts.double(), stable=True).indices[:draft_vocab_size]
     used = order.sort().values
-    d2t = used - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(V, dtype=torch.bool)
+    d2t = used - torch.arange(draft_vocab_size, device=used.device)
+    t2d = torch.zeros(V, dtype=torch.bool, device=used.device)
     t2d[used] = True
     return d2t, t2d
 

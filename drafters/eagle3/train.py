@@ -58,8 +58,8 @@ def sample_anchors(seq: FeatureSeq, n: int, gen: torch.Generator) -> Tensor:
     """Up to ``n`` distinct anchors whose first prediction is a response token, sorted. [A]"""
     lo, hi = max(0, seq.response_start - 2), seq.tokens.numel() - 2  # slot a needs t_{a+1}
     if hi < lo:
-        return torch.zeros(0, dtype=torch.long)
-    pick = torch.randperm(hi - lo + 1, generator=gen)[:n]
+        return torch.zeros(0, dtype=torch.long, device=gen.device)
+    pick = torch.randperm(hi - lo + 1, generator=gen, device=gen.device)[:n]  # on the generator's device
     return (pick + lo).sort().values
 
 
@@ -172,7 +172,7 @@ class Eagle3Recipe(Recipe):
         o = self.options
         n_anchors = o.anchors if model.training else o.eval_anchors
         B = batch.tokens.shape[0]
-        total, correct, counted = torch.zeros(()), [0] * o.ttt_steps, [0] * o.ttt_steps
+        total, correct, counted = torch.zeros((), device=batch.tokens.device), [0] * o.ttt_steps, [0] * o.ttt_steps
         for b in range(B):
             seq = batch.feature_seq(b)
             r = ttt_loss(model, lambda ids: self.target.embed(ids).float(), self.head, model.t2d, seq,

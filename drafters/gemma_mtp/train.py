@@ -46,15 +46,16 @@ def target_kv(target: Target, tokens: Tensor, sources: dict[str, int]) -> dict[s
 
 def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """Up to ``num`` distinct anchors per row in ``[response_start, length − unroll − 1]`` (every
-    unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A]."""
-    B = batch.tokens.shape[0]
-    anchors = torch.ones(B, num, dtype=torch.long)  # padding anchors: any position with a hidden before it
-    keep = torch.zeros(B, num, dtype=torch.bool)
-    for b in range(B):
-        lo, hi = max(1, int(batch.response_start[b])), int(batch.lengths[b]) - unroll - 1
-        pick = (torch.randperm(max(hi - lo + 1, 0), generator=gen)[:num] + lo).sort().values
+    unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A],
+    on the batch's device (drawn on the generator's)."""
+    B, host = batch.tokens.shape[0], gen.device
+    anchors = torch.ones(B, num, dtype=torch.long, device=host)  # padding anchors: any position with a hidden before it
+    keep = torch.zeros(B, num, dtype=torch.bool, device=host)
+    for b, (start, length) in enumerate(zip(batch.response_start.tolist(), batch.lengths.tolist())):
+        lo, hi = max(1, start), length - unroll - 1
+        pick = (torch.randperm(max(hi - lo + 1, 0), generator=gen, device=host)[:num] + lo).sort().values
         anchors[b, : pick.numel()], keep[b, : pick.numel()] = pick, True
-    return anchors, keep
+    return anchors.to(batch.tokens.device), keep.to(batch.tokens.device)
 
 
 def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor], batch: Batch, anchors: Tensor, keep: Tensor, unroll: int,
@@ -66,7 +67,7 @@ def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor],
     T = tokens.shape[1]
     hidden, argmax = f["final"].float(), f["argmax"]
     kv = {n[2:]: (f[n].float().transpose(1, 2), f["v" + n[1:]].float().transpose(1, 2)) for n in f if n.startswith("k.")}
-    allowed = torch.arange(T).view(1, 1, T) < anchors.unsqueeze(-1)  # keys strictly before the anchor
+    allowed = torch.arange(T, device=tokens.device).view(1, 1, T) < anchors.unsqueeze(-1)  # keys strictly before the anchor
     mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]  # [B, 1, A, T]
     h = hidden.gather(1, (anchors - 1).unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     x_tok, agree = tokens.gather(1, anchors), keep.clone()

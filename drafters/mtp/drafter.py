@@ -303,10 +303,12 @@ class MTPDrafter(Drafter):
             n_t = P - c[b] - n_c  # slots reading drafts (j of them, fewer for short prompts)
             plans.append((P, n_c, n_t))
         B, width = len(plans), max(n_c + (K if j else 1) * n_t for _, n_c, n_t in plans)
-        tok = torch.zeros(B, width, dtype=torch.long)
-        hid = torch.zeros(B, width, self.target.hidden_size, dtype=state.main_hidden[0].dtype)
-        parents = torch.full((B, width), -1, dtype=torch.long)
-        keep = torch.zeros(B, width, dtype=torch.bool)
+        # tokens, parents and the mask are filled from host lists (moved once); hidden from device tensors
+        tok = torch.zeros(B, width, dtype=torch.long, device="cpu")
+        hid = torch.zeros(B, width, self.target.hidden_size, dtype=state.main_hidden[0].dtype,
+                          device=state.main_hidden[0].device)
+        parents = torch.full((B, width), -1, dtype=torch.long, device="cpu")
+        keep = torch.zeros(B, width, dtype=torch.bool, device="cpu")
         for b, (P, n_c, n_t) in enumerate(plans):
             base = s.hidden_in[b]  # inputs for slots c..c+len-1
             for i in range(n_c):  # committed chain: slot c+i reads t_{c+i+j+1}

@@ -59,7 +59,7 @@ class MTPLoss:
 
 def label_mask(batch: Batch) -> Tensor:
     """Which tokens count as labels [B, T]: inside the row and in the response (all of plain text)."""
-    pos = torch.arange(batch.tokens.shape[1]).unsqueeze(0)
+    pos = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).unsqueeze(0)
     return (pos < batch.lengths.unsqueeze(1)) & (pos >= batch.response_start.unsqueeze(1))
 
 
@@ -128,7 +128,7 @@ class PostHocMTPRecipe(Recipe):
         with torch.no_grad():  # warm start: x = hnorm(h), so the module first predicts what the target does
             for m in modules:
                 m.eh_proj.weight.zero_()
-                m.eh_proj.weight[:, H:] = torch.eye(H)
+                m.eh_proj.weight[:, H:] = torch.eye(H, device=m.eh_proj.weight.device)
         self.target, self.head = target, head_rows(target)
         return modules
 

@@ -126,14 +126,12 @@ class SuffixDrafter(Drafter):
     def propose(self, state: list[_Row], k: int, rows: RowSampling) -> DraftProposal:
         drafts = [self._speculate(row, k) for row in state]
         n = max(len(d.tokens) for d in drafts)
-        tokens = torch.zeros(len(state), n, dtype=torch.long)
-        parents = torch.full((len(state), n), -1, dtype=torch.long)  # padding: children of the root
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-            parents[b, : len(d.parents)] = torch.tensor(d.parents, dtype=torch.long)
-        num_valid = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
         dev = self.target.device
-        return DraftProposal(tokens.to(dev), parents.to(dev), None, num_valid.to(dev))
+        tokens = torch.tensor([d.tokens + [0] * (n - len(d.tokens)) for d in drafts], dtype=torch.long, device=dev)
+        # padding: children of the root
+        parents = torch.tensor([d.parents + [-1] * (n - len(d.parents)) for d in drafts], dtype=torch.long, device=dev)
+        num_valid = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
+        return DraftProposal(tokens, parents, None, num_valid)
 
     def observe(self, state: list[_Row], committed: Committed) -> None:
         for row, toks, n, nxt in zip(state, committed.tokens.tolist(), committed.num_tokens.tolist(),

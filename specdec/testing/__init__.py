@@ -268,13 +268,15 @@ class RandomDrafter(Drafter):
         B, V, n, dev = rows.batch, self.target.vocab_size, len(parents), self.target.device
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + state["step"])
         state["step"] += 1
-        # Draft logits depend on the node's parent token only, as a real drafter's would.
-        table = torch.randn(V + 1, V, generator=g) * 2.0
-        tokens = torch.zeros(B, n, dtype=torch.long)
-        qs = torch.zeros(B, n, V)
-        used = torch.zeros(B, n + 1, V)  # mass removed from each parent's q by earlier siblings
+        # Draft logits depend on the node's parent token only, as a real drafter's would. The
+        # drafting runs on the host (the generator's device); the draws and the proposal on the target's.
+        host = g.device
+        table = torch.randn(V + 1, V, generator=g, device=host) * 2.0
+        tokens = torch.zeros(B, n, dtype=torch.long, device=host)
+        qs = torch.zeros(B, n, V, device=host)
+        used = torch.zeros(B, n + 1, V, device=host)  # mass removed from each parent's q by earlier siblings
         for j, p in enumerate(parents):
-            parent_tok = tokens[:, p] if p >= 0 else torch.full((B,), V)
+            parent_tok = tokens[:, p] if p >= 0 else torch.full((B,), V, device=host)
             q = rows.probs(table[parent_tok].to(dev)).cpu()
             if self.siblings == "deterministic":
                 q = q.masked_fill(used[:, p + 1] > 0, 0.0)
@@ -288,7 +290,7 @@ class RandomDrafter(Drafter):
                     best = table[parent_tok].masked_fill(used[:, p + 1] > 0, float("-inf")).argmax(-1)
                     q = torch.where(mass > 0, q / mass.clamp(min=1e-30), F.one_hot(best, V).float())
                 x = rows.sample(q.to(dev)).cpu()
-            used[torch.arange(B), p + 1, x] = 1.0
+            used[torch.arange(B, device=host), p + 1, x] = 1.0
             tokens[:, j], qs[:, j] = x, q
         q_out = None if self.siblings == "deterministic" else qs.to(dev)
         return DraftProposal(tokens.to(dev), torch.tensor(parents, device=dev).expand(B, n).clone(), q_out)

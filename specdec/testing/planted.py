@@ -65,15 +65,12 @@ class PlantedDrafter(Drafter):
         return [_Row(self.continuations[p], 1) for p in prompts]
 
     def propose(self, state: list[_Row], k: int, rows: RowSampling) -> DraftProposal:
-        B, V = len(state), self.target.vocab_size
-        tokens = torch.zeros(B, k, dtype=torch.long)
-        num_valid = torch.zeros(B, dtype=torch.long)
-        for b, row in enumerate(state):
-            ref = row.reference[row.pos:row.pos + k]
-            tokens[b, :len(ref)] = torch.tensor(ref, dtype=torch.long)
-            num_valid[b] = len(ref)
-        wrong = (tokens + torch.randint(1, V, (B, k), generator=self.generator)) % V  # never the reference
-        corrupt = torch.rand(B, k, generator=self.generator) >= self.p
+        B, V, host = len(state), self.target.vocab_size, self.generator.device  # drafted on the host
+        refs = [row.reference[row.pos:row.pos + k] for row in state]
+        tokens = torch.tensor([r + [0] * (k - len(r)) for r in refs], dtype=torch.long, device=host)
+        num_valid = torch.tensor([len(r) for r in refs], dtype=torch.long, device=host)
+        wrong = (tokens + torch.randint(1, V, (B, k), generator=self.generator, device=host)) % V  # never the reference
+        corrupt = torch.rand(B, k, generator=self.generator, device=host) >= self.p
         tokens = torch.where(corrupt, wrong, tokens)
         dev = self.target.device
         return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev))

@@ -102,9 +102,9 @@ class Batch:
 def make_batch(seqs: list[TokenSeq], featurize: Featurize | None = None) -> Batch:
     """Right-pad ``seqs`` into a batch: their cached features stacked, or ``featurize`` run on the
     padded tokens (a causal target gives every row's real positions exactly)."""
-    lengths = torch.tensor([s.tokens.numel() for s in seqs])
+    lengths = torch.tensor([s.tokens.numel() for s in seqs], device="cpu")  # batches are made on the host
     T = int(lengths.max())
-    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long, device="cpu")
     for b, s in enumerate(seqs):
         tokens[b, : s.tokens.numel()] = s.tokens
     if seqs[0].features:
@@ -116,7 +116,7 @@ def make_batch(seqs: list[TokenSeq], featurize: Featurize | None = None) -> Batc
             feats[name] = out
     else:
         feats = featurize(tokens) if featurize is not None else {}
-    return Batch(tokens, lengths, torch.tensor([s.response_start for s in seqs]), feats)
+    return Batch(tokens, lengths, torch.tensor([s.response_start for s in seqs], device="cpu"), feats)
 
 
 class TrainData:
@@ -321,8 +321,8 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
         for i, s in enumerate(every):
             s.features = {name: v[i] for name, v in fields.items()}
     else:
-        for s in tqdm(every, desc="target features", disable=not progress):
-            s.features = {k: v[0].to(dtype) if v.is_floating_point() else v[0]
+        for s in tqdm(every, desc="target features", disable=not progress):  # kept on the host, as when read back
+            s.features = {k: v[0].to("cpu", dtype) if v.is_floating_point() else v[0].cpu()
                           for k, v in featurize(s.tokens.unsqueeze(0)).items()}
         _save_ragged(path, {"tokens": [s.tokens for s in every],
                             **{k: [s.features[k] for s in every] for k in every[0].features}},
