@@ -20,7 +20,7 @@ from transformers import PreTrainedModel
 from specdec.drafter import Drafter
 from specdec.sampling import RowSampling
 from specdec.target import Target, TargetSession
-from specdec.types import Committed, DraftProposal
+from specdec.types import Committed, DraftProposal, padded_ids
 
 __all__ = ["DraftModelDrafter", "DraftModelConfig", "DraftModelState", "transformers_assistant",
            "transformers_peer"]
@@ -87,7 +87,7 @@ class DraftModelDrafter(Drafter):
         pending = [h[c:] for h, c in zip(state.history, cached)]
         width = max(len(p) for p in pending)
         dev = self.draft.device
-        block = torch.tensor([p + [0] * (width - len(p)) for p in pending], dtype=torch.long, device=dev)
+        block = padded_ids(pending, width, 0, dev)
         n_pending = torch.tensor([len(p) for p in pending], device=dev)
         out = self.draft.forward(state.session, block, logits_rows=(n_pending - 1).unsqueeze(1))
         self.draft.commit(state.session, torch.arange(width, device=dev).unsqueeze(0) < n_pending.unsqueeze(1))

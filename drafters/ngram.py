@@ -17,7 +17,7 @@ from torch import Tensor
 from specdec.drafter import Drafter
 from specdec.sampling import RowSampling
 from specdec.target import Target
-from specdec.types import Committed, DraftProposal
+from specdec.types import Committed, DraftProposal, padded_ids
 
 __all__ = ["NgramDrafter", "NgramConfig", "lookup", "transformers_peer"]
 
@@ -60,7 +60,7 @@ class NgramDrafter(Drafter):
     def propose(self, state: list[list[int]], k: int, rows: RowSampling) -> DraftProposal:
         drafts = [lookup(h, k, self.config.max_ngram, self.config.min_ngram) for h in state]
         dev = self.target.device
-        tokens = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=dev)
+        tokens = padded_ids(drafts, k, 0, dev)
         num_valid = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=dev)
         return DraftProposal.chain(tokens, None, num_valid)
 

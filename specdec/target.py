@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
-from specdec.types import Requirements, chain_parents
+from specdec.types import Requirements, chain_parents, padded_ids
 from specdec.validate import as_int
 
 __all__ = ["Target", "TargetSession", "TargetOutput", "LayerSpec", "layer_output_ids", "set_threads",
@@ -394,7 +394,7 @@ class Target:
         dev = self.device
         L = max(len(p) for p in prompts)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-        padded = torch.tensor([[*p] + [-1] * (L - len(p)) for p in prompts], dtype=torch.long, device=dev)
+        padded = padded_ids(prompts, L, -1, dev)
         out = self.forward(session, padded.clamp(min=0), logits_rows=(lengths - 1).unsqueeze(1))
         ragged = any(len(p) != L for p in prompts)  # equal lengths keep the store dense
         self.commit(session, torch.arange(L, device=dev).unsqueeze(0) < lengths.unsqueeze(1) if ragged else None)

@@ -10,7 +10,7 @@ Node ``j`` of the proposal is verified against the target distribution at block 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from specdec.kv import KVStore
 
-__all__ = ["Requirements", "DraftProposal", "Verification", "Committed", "chain_parents", "node_depths"]
+__all__ = ["Requirements", "DraftProposal", "Verification", "Committed", "chain_parents", "node_depths", "padded_ids"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,14 @@ class Requirements:
 def chain_parents(n: int, batch: int = 1, device: torch.device | str = "cpu") -> Tensor:
     """Parent indices of a chain of ``n`` nodes: ``[-1, 0, 1, ..., n-2]`` per row. [B, n]"""
     return (torch.arange(n, device=device) - 1).expand(batch, n).clone()
+
+
+def padded_ids(rows: Sequence[Sequence[int]], width: int, fill: int, device: torch.device | str = "cpu") -> Tensor:
+    """Ragged integer rows right-padded with ``fill`` to ``width`` as one long tensor on ``device``,
+    built in one host→device copy (drafts, prompts and parent lists cross the seams this way). [R, width]"""
+    if any(len(r) > width for r in rows):
+        raise ValueError(f"a row is longer than width={width}")
+    return torch.tensor([[*r, *[fill] * (width - len(r))] for r in rows], dtype=torch.long, device=device)
 
 
 def node_depths(parents: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.target import Target, layer_output_ids
 from specdec.testing.tiny import FAMILIES, tiny_model
-from specdec.types import Requirements, chain_parents
+from specdec.types import Requirements, chain_parents, padded_ids
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
@@ -131,6 +131,13 @@ def test_layer_ids_are_checked_and_converted():
     with pytest.raises(ValueError, match="layer id 7"):
         t.check(Requirements(layer_inputs=(7,)))
     assert layer_output_ids([1, 9, 17]) == (2, 10, 18)
+
+
+def test_padded_ids_right_pads_ragged_rows_and_refuses_overlong_ones():
+    out = padded_ids([[3, 4], [], (5, 6, 7)], 4, -1)
+    assert out.dtype == torch.long and out.tolist() == [[3, 4, -1, -1], [-1, -1, -1, -1], [5, 6, 7, -1]]
+    with pytest.raises(ValueError, match="width=2"):
+        padded_ids([[1, 2, 3]], 2, 0)
 
 
 def test_compaction_gathers_valid_slots_to_the_front():

@@ -28,7 +28,7 @@ from specdec.drafter import Drafter
 from specdec.drafters.suffix.tree import Draft, OutputCache, SuffixTree
 from specdec.sampling import RowSampling
 from specdec.target import Target
-from specdec.types import Committed, DraftProposal
+from specdec.types import Committed, DraftProposal, padded_ids
 from specdec.validate import as_float, as_int
 
 __all__ = ["SuffixDrafter", "SuffixConfig", "global_cache", "clear_global_caches"]
@@ -127,9 +127,9 @@ class SuffixDrafter(Drafter):
         drafts = [self._speculate(row, k) for row in state]
         n = max(len(d.tokens) for d in drafts)
         dev = self.target.device
-        tokens = torch.tensor([d.tokens + [0] * (n - len(d.tokens)) for d in drafts], dtype=torch.long, device=dev)
+        tokens = padded_ids([d.tokens for d in drafts], n, 0, dev)
         # padding: children of the root
-        parents = torch.tensor([d.parents + [-1] * (n - len(d.parents)) for d in drafts], dtype=torch.long, device=dev)
+        parents = padded_ids([d.parents for d in drafts], n, -1, dev)
         num_valid = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
         return DraftProposal(tokens, parents, None, num_valid)
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from specdec.drafter import Drafter
 from specdec.sampling import RowSampling
 from specdec.target import Target
-from specdec.types import Committed, DraftProposal
+from specdec.types import Committed, DraftProposal, padded_ids
 
 __all__ = ["PlantedDrafter", "greedy_continuations"]
 
@@ -67,7 +67,7 @@ class PlantedDrafter(Drafter):
     def propose(self, state: list[_Row], k: int, rows: RowSampling) -> DraftProposal:
         B, V, host = len(state), self.target.vocab_size, self.generator.device  # drafted on the host
         refs = [row.reference[row.pos:row.pos + k] for row in state]
-        tokens = torch.tensor([r + [0] * (k - len(r)) for r in refs], dtype=torch.long, device=host)
+        tokens = padded_ids(refs, k, 0, host)
         num_valid = torch.tensor([len(r) for r in refs], dtype=torch.long, device=host)
         wrong = (tokens + torch.randint(1, V, (B, k), generator=self.generator, device=host)) % V  # never the reference
         corrupt = torch.rand(B, k, generator=self.generator, device=host) >= self.p
