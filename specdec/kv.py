@@ -15,9 +15,11 @@ slots past them are never read, so they are left uninitialised.
 Every method that changes the store runs in inference mode: its buffers are inference tensors,
 updated in place between steps as well as inside the forwards that fill them.
 
-**Compaction.** :meth:`KVStore.maybe_compact` is the one policy: once more than
-:attr:`KVStore.compact_at` of the slots are holes, every row's valid slots are gathered to the
-front (always worth it after trees, which leave siblings behind).
+**Compaction.** :meth:`KVStore.maybe_compact` is the one policy: once compaction would free more
+than :attr:`KVStore.compact_at` of the slots, every row's valid slots are gathered to the front
+(always worth it after trees, which leave siblings behind). It frees the slots past the longest
+row only, so holes that ragged prompt lengths leave in the shorter rows do not count: a batch of
+prompts of different lengths would otherwise copy its whole cache every few steps for nothing.
 
 Masks are additive 4D ``[B, 1, m, S + m]`` float masks, built once per block on the device and
 shared by every layer; for models with sliding-window layers a dict ``{layer_type: mask}`` is
@@ -75,7 +77,10 @@ class KVStore:
     """
 
     block = 256  # slots the buffers grow by
-    compact_at = 0.5  # the compaction policy: compact once this fraction of the slots are holes
+    # the compaction policy: compact once it would free this fraction of the slots. Compacting copies
+    # the valid slots (read + write); every later step reads the freed ones once per layer, so a
+    # fraction f pays back after about 2(1 - f)/f steps: 6 at 0.25
+    compact_at = 0.25
 
     def __init__(self, batch: int, device: torch.device | str, dtype: torch.dtype, num_layers: int = 1,
                  layer_types: list[str] | None = None, sliding_window: int | None = None):
@@ -235,13 +240,12 @@ class KVStore:
         """The one compaction policy (see :attr:`compact_at`); the loop and drafters call it after a
         step. ``lengths``, the rows' committed counts as the caller knows them on the host, spare
         the device read the policy otherwise takes."""
-        if lengths is None:
-            holes = self.hole_fraction
-        else:
-            holes = 1.0 - sum(lengths) / max(1, len(lengths) * self.num_slots)
-        if holes > self.compact_at:
-            self.compact(None if lengths is None else max(lengths, default=0))
-            self.dense = lengths is not None and min(lengths, default=0) == max(lengths, default=0)
+        if not self.num_slots or not self.batch:
+            return
+        longest = max(lengths) if lengths is not None else int(self.lengths.max())
+        if 1.0 - longest / self.num_slots > self.compact_at:
+            self.compact(longest)
+            self.dense = lengths is not None and min(lengths) == longest
 
     @torch.inference_mode()
     def compact(self, longest: int | None = None) -> None:
@@ -259,6 +263,22 @@ class KVStore:
 
     @torch.inference_mode()
     def select_rows(self, rows: Tensor) -> None:
-        """Keep only the given batch rows (retire finished requests)."""
-        self._move(self.capacity, rows)
-        self.lengths = self.lengths[rows]
+        """Keep only the given batch rows (retire finished requests). Rows in increasing order (the
+        loop's) move down in place, only the ones that shift, over the used slots: no allocation,
+        one copy. Any other selection reallocates. ``rows`` on the host spare a device read."""
+        keep = rows.tolist()
+        on_dev = rows.to(self.device)
+        if any(a >= b for a, b in zip(keep, keep[1:])):
+            self._move(self.capacity, on_dev)
+        else:
+            shifts, S = [(i, r) for i, r in enumerate(keep) if i != r], self.num_slots
+            for buffers in (self._keys, self._values):
+                for j, x in enumerate(buffers):
+                    if x is not None:
+                        for i, r in shifts:
+                            x[i, :, :S].copy_(x[r, :, :S])
+                        buffers[j] = x[: len(keep)]  # a view: the rows past it are freed at the next reallocation
+            for i, r in shifts:
+                self._valid[i, :S], self._slot_pos[i, :S] = self._valid[r, :S], self._slot_pos[r, :S]
+            self._valid, self._slot_pos = self._valid[: len(keep)], self._slot_pos[: len(keep)]
+        self.lengths = self.lengths[on_dev]

@@ -181,7 +181,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
                 break
             keep_rows = torch.tensor(kept, device="cpu")  # the drafters' row selection is a host tensor
             on_dev = _upload(keep_rows, dev)
-            session.cache.select_rows(on_dev)
+            session.cache.select_rows(keep_rows)
             rows, last = rows.select(kept), last[on_dev]
             live, committed_len = [live[b] for b in kept], [committed_len[b] for b in kept]
             if drafter is not None:

@@ -105,7 +105,8 @@ def test_a_layer_writes_every_block_from_the_first():
         store.write(0, torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))
 
 
-def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache():
+@pytest.mark.parametrize("kept", [[2, 0], [0, 2], [1, 2]])  # reallocated; moved down in place
+def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache(kept):
     store, ref = KVStore(B, "cpu", torch.float32, num_layers=2), ConcatReference(B)
     gen = torch.Generator().manual_seed(2)
     tree = torch.tensor([[-1, 0, 0, 1, 2]]).expand(B, -1)
@@ -128,10 +129,15 @@ def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache():
         if i % 4 == 2:
             store.compact(), ref.compact()
             assert_same(store, ref)
-    rows = torch.tensor([2, 0])
+    rows = torch.tensor(kept)
     store.select_rows(rows), ref.select_rows(rows)
     assert_same(store, ref)
-    step(store, ref, chain_parents(2, 2), torch.ones(2, 2, dtype=torch.bool), gen)
+    for _ in range(3):  # the rows left keep growing, past the buffers' block
+        step(store, ref, chain_parents(2, 2), torch.ones(2, 2, dtype=torch.bool), gen)
+        assert_same(store, ref)
+    last = torch.tensor([1])
+    store.select_rows(last), ref.select_rows(last)
+    step(store, ref, chain_parents(3, 1), torch.tensor([[True, True, False]]), gen)
     assert_same(store, ref)
 
 
@@ -197,15 +203,21 @@ def test_a_chain_plan_equals_the_tree_plan_of_its_parents_and_drops_the_mask_onl
 
 
 def test_maybe_compact_is_the_one_policy(monkeypatch):
+    """It compacts when that frees slots past the longest row, not for the holes of shorter rows."""
     store, gen = KVStore(2, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(4)
     step(store, None, chain_parents(4, 2), torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).bool(), gen)
-    assert store.hole_fraction == 3 / 8 < KVStore.compact_at == 0.5
+    assert store.hole_fraction == 3 / 8 and KVStore.compact_at == 0.25
     store.maybe_compact()
-    assert store.num_slots == 4  # below the threshold: left alone
-    monkeypatch.setattr(KVStore, "compact_at", 0.25)
+    assert store.num_slots == 4  # would free 1 slot of 4, not more: left alone
+    monkeypatch.setattr(KVStore, "compact_at", 0.2)
     store.maybe_compact(lengths=[3, 2])  # the caller's host copy of the lengths: no device read
     assert store.num_slots == 3 and store.valid.tolist() == [[True, True, True], [True, True, False]]
     assert not store.dense
+    ragged = KVStore(2, "cpu", torch.float32, num_layers=2)  # prompts of 10 and 2 tokens: 40% holes
+    step(ragged, None, chain_parents(10, 2), torch.arange(10).expand(2, 10) < torch.tensor([[10], [2]]), gen)
+    assert ragged.hole_fraction == 0.4 > KVStore.compact_at
+    ragged.maybe_compact()
+    assert ragged.num_slots == 10  # compaction would free nothing
 
 
 def test_the_target_writes_into_its_store_in_place():
