@@ -231,6 +231,36 @@ def test_every_recipe_trains_and_its_checkpoint_loads_in_its_drafter(name, tiny_
     assert_greedy_equivalent(res.requests[0].tokens, ref, logits)
 
 
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_run_starts_from_a_checkpoints_weights_with_init(name, tiny_target, tmp_path, cache):
+    """``init=`` reads back what ``save`` wrote: a run from it that does not move (lr 0) saves the same
+    weights (block drafters to a bf16 rounding: their feature scale is unfolded and folded again),
+    and a fresh run's differ."""
+    first = tiny_config(tmp_path / "a", name, optim=OptimConfig(steps=2, batch=2, lr=5e-3))
+    train(first, target=tiny_target)
+    still = OptimConfig(steps=1, batch=2, lr=0.0)
+    again = tiny_config(tmp_path / "b", name, optim=still, init=first.out)
+    fresh = tiny_config(tmp_path / "c", name, optim=still, seed=1)
+    for cfg in (again, fresh):
+        train(cfg, target=tiny_target)
+    saved, reread, other = (load_file(str(Path(c.out) / "model.safetensors")) for c in (first, again, fresh))
+    assert saved.keys() == reread.keys()
+    for k in saved:
+        torch.testing.assert_close(reread[k].float(), saved[k].float(), rtol=2 ** -7, atol=0, msg=k)
+    assert any(not torch.equal(saved[k], other[k]) for k in saved if saved[k].is_floating_point())
+
+
+def test_init_refuses_a_folder_without_a_checkpoint_and_one_of_another_shape(tiny_target, tmp_path, cache):
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        tiny_config(tmp_path, "eagle3", init=str(tmp_path / "nothing"))
+    first = tiny_config(tmp_path / "a", "eagle3")
+    train(first, target=tiny_target)
+    recipe, options = RECIPES["eagle3"]
+    wider = tiny_config(tmp_path / "b", "eagle3", options={**options, "draft_vocab": 28}, init=first.out)
+    with pytest.raises(ValueError, match="does not fit this run's model"):
+        train(wider, target=tiny_target)
+
+
 def test_a_model_trained_from_scratch_with_its_mtp_modules_loads_as_a_target(tmp_path, cache):
     cfg = TrainConfig(recipe="specdec.drafters.mtp.train.JointMTPRecipe", options=dict(depth=2, model=TINY_DEEPSEEK),
                       target=None, out=str(tmp_path / "out"), work=str(tmp_path / "work"), eval_sequences=4,

@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.drafters.dflash.checkpoint import save_block_draft
+from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
            "BlockOptions", "BlockRecipe", "DFlashRecipe"]
@@ -244,6 +244,18 @@ class BlockRecipe(Recipe):
         with torch.no_grad():
             model.fc.weight.div_(self.scale)  # fold the feature scaling: the checkpoint reads raw features
         save_block_draft(model, out)
+
+    def load(self, model: nn.Module, folder: Path) -> None:
+        """The checkpoint's weights with this run's feature scale unfolded again; the draft vocabulary
+        stays this run's (the tokens of its data, which the loss's softmax covers)."""
+        assert isinstance(model, BlockDraftModel)
+        saved = load_block_draft(folder)
+        if type(saved) is not type(model):
+            raise ValueError(f"{folder} holds a {type(saved).__name__}, this recipe trains a {type(model).__name__}")
+        state = saved.state_dict()
+        state["t2d"] = model.t2d
+        state["fc.weight"] = state["fc.weight"].to(self.scale.device) * self.scale
+        copy_weights(model, state, folder)
 
 
 class DFlashRecipe(BlockRecipe):

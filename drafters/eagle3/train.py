@@ -37,11 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.drafters.eagle3.checkpoint import save_eagle3
+from specdec.drafters.eagle3.checkpoint import load_eagle3, save_eagle3
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids, draft_layer_config, vocab_map
 from specdec.target import Target
 from specdec.training.data import Batch, FeatureSeq, TokenSeq, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
 
 __all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss", "Eagle3Options", "Eagle3Recipe"]
 
@@ -185,3 +185,9 @@ class Eagle3Recipe(Recipe):
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, Eagle3Model)
         save_eagle3(model, out, verifier=self.options.verifier)
+
+    def load(self, model: nn.Module, folder: Path) -> None:
+        """The checkpoint's weights and its draft vocabulary (its head rows follow that vocabulary)."""
+        assert isinstance(model, Eagle3Model)
+        copy_weights(model, load_eagle3(folder, self.target.num_layers).state_dict(), folder)
+        self.head = head_rows(self.target, model.draft_ids)

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layers
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput
+from specdec.training.recipe import Recipe, StepOutput, copy_weights
 
 __all__ = ["target_kv", "response_anchors", "unrolled_loss", "GemmaMTPOptions", "GemmaMTPRecipe"]
 
@@ -130,3 +130,7 @@ class GemmaMTPRecipe(Recipe):
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, PreTrainedModel)
         model.to(torch.bfloat16).save_pretrained(out)
+
+    def load(self, model: nn.Module, folder: Path) -> None:
+        saved = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True)
+        copy_weights(model, saved.state_dict(), folder)

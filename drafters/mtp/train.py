@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.drafters.mtp.checkpoint import save_mtp_checkpoint
+from specdec.drafters.mtp.checkpoint import load_mtp_modules, save_mtp_checkpoint
 from specdec.drafters.mtp.drafter import build_mtp_modules
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
 
 __all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
            "JointMTPRecipe", "TINY_DEEPSEEK_V3"]
@@ -145,6 +145,9 @@ class PostHocMTPRecipe(Recipe):
         cfg.update(num_nextn_predict_layers=self.options.depth)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         save_mtp_checkpoint(model, out / "model.safetensors", self.target.num_layers)
+
+    def load(self, model: nn.Module, folder: Path) -> None:
+        copy_weights(model, load_mtp_modules(self.target, folder).state_dict(), folder)
 
 
 @dataclass

@@ -10,6 +10,7 @@ trainer never names a drafter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from specdec.eval.config import TargetConfig
@@ -95,6 +96,7 @@ class TrainConfig:
     seed: int = 0  # model initialisation and every random draw of the run
     threads: int = 1  # torch intra-op threads (small shared CPUs: one is the most stable)
     resume: bool = False  # continue from the state in `work`
+    init: str | None = None  # start from this checkpoint folder's weights (e.g. the committed one): a new run, own schedule
     save_every: int = 0  # write the resumable state every N steps (0: only when stopping early)
     eval_every: int = 0  # held-out evaluation every N steps (0: only at the end)
     eval_sequences: int | None = None  # held-out sequences evaluated (None: all)
@@ -108,3 +110,5 @@ class TrainConfig:
             raise ValueError("out: the checkpoint folder is required")
         if self.threads < 1 or self.log_every < 1 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("threads and log_every must be >= 1, save_every and eval_every >= 0")
+        if self.init is not None and not (Path(self.init) / "config.json").is_file():
+            raise ValueError(f"init: {self.init!r} is not a checkpoint folder (no config.json in it)")

@@ -1,4 +1,4 @@
-"""What a drafter family gives the trainer: its model builder, its loss and its checkpoint writer.
+"""What a drafter family gives the trainer: its model builder, its loss, its checkpoint writer and reader.
 
 A family's room holds one :class:`Recipe` subclass in ``drafters/<family>/train.py``; the run
 configuration names it by dotted path (``recipe: specdec.drafters.eagle3.train.Eagle3Recipe``) and
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData
 
-__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows"]
+__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "copy_weights"]
 
 Metric = float | list[float]
 
@@ -69,6 +69,12 @@ class Recipe(ABC):
     def save(self, model: nn.Module, out: Path) -> None:
         """Write the checkpoint the family's drafter loads with its ``create(checkpoint=out)``."""
 
+    def load(self, model: nn.Module, folder: Path) -> None:
+        """Copy the weights of a checkpoint :meth:`save` wrote (a committed one) into ``model`` as
+        :meth:`build` made it, so a new run starts where an earlier one ended (``init=``): more data,
+        a new schedule. Shapes must match; :func:`copy_weights` refuses the rest."""
+        raise NotImplementedError(f"{type(self).__name__} cannot start from a checkpoint (init=)")
+
 
 def load_recipe(path: str, options: dict[str, Any]) -> Recipe:
     """The recipe class at dotted ``path`` (``package.module.Class``), built with its options."""
@@ -89,3 +95,17 @@ def head_rows(target: Target, ids: Tensor | None = None) -> Tensor:
         raise ValueError("this target soft-caps its logits: a restricted LM head would not give them")
     w = target.lm_head.weight.detach()
     return (w if ids is None else w[ids]).float()
+
+
+def copy_weights(model: nn.Module, state: dict[str, Tensor], folder: Path) -> None:
+    """``state`` copied into ``model``'s own tensors, in their dtypes and on their devices; a missing,
+    unexpected or differently shaped tensor is refused before anything is written."""
+    own = model.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    shapes = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+    if missing or unexpected or shapes:
+        raise ValueError(f"{folder} does not fit this run's model: missing {missing}, unexpected {unexpected}, "
+                         f"other shapes {shapes} (options such as the draft vocabulary or layers must match)")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])

@@ -15,7 +15,9 @@
 - **Resumable**: ``work/state.safetensors`` holds the model, the AdamW moments, the step, the
   counters and both random states of every process (its generator and torch's global one);
   safetensors only, nothing is ever pickled. A run resumed from it with as many processes ends
-  bit-identical to one that never stopped.
+  bit-identical to one that never stopped. ``init`` instead starts a new run (its own schedule,
+  fresh AdamW moments) from a checkpoint's weights, the committed ones included: a long training
+  is done in parts that way, each on more data, without the state file.
 - **Held-out figures**: the recipe's loss and metrics on the held-out sequences every
   ``eval_every`` steps and at the last step, with a generator of their own (evaluating never
   changes what training draws).
@@ -162,7 +164,7 @@ def _resumable(cfg: TrainConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["optim"].pop("stop_after")
     d["options"] = _with_defaults(cfg.recipe, d["options"])
-    return {k: d[k] for k in ("recipe", "options", "target", "data", "optim", "seed")}
+    return {k: d[k] for k in ("recipe", "options", "target", "data", "optim", "seed")}  # not init: the state holds it
 
 
 def _with_defaults(recipe: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -278,7 +280,10 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         data = load_data(cfg.data, target, featurize, key, show)
 
     torch.manual_seed(cfg.seed)
-    model = recipe.build(target, data).to(acc.device)
+    model = recipe.build(target, data)
+    if cfg.init:
+        recipe.load(model, Path(cfg.init))
+    model = model.to(acc.device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]), weight_decay=o.weight_decay)
