@@ -259,6 +259,10 @@ def test_init_refuses_a_folder_without_a_checkpoint_and_one_of_another_shape(tin
     wider = tiny_config(tmp_path / "b", "eagle3", options={**options, "draft_vocab": 28}, init=first.out)
     with pytest.raises(ValueError, match="does not fit this run's model"):
         train(wider, target=tiny_target)
+    scratch = TrainConfig(recipe="specdec.drafters.mtp.train.JointMTPRecipe", out=str(tmp_path / "c"),
+                          target=None, init=first.out)
+    with pytest.raises(ValueError, match="cannot start from a checkpoint"):
+        train(scratch)
 
 
 def test_a_model_trained_from_scratch_with_its_mtp_modules_loads_as_a_target(tmp_path, cache):

@@ -270,6 +270,8 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
     torch.set_num_threads(cfg.threads)
     command = command or command_line()
     recipe = load_recipe(cfg.recipe, cfg.options)
+    if cfg.init and type(recipe).load is Recipe.load:  # before the data and features are made
+        raise ValueError(f"{cfg.recipe} cannot start from a checkpoint: it has no Recipe.load (init={cfg.init!r})")
     target = target if target is not None else _build_target(cfg)
     if target is not None:
         target.model.requires_grad_(False).to(acc.device)
