@@ -252,7 +252,7 @@ def test_a_run_starts_from_a_checkpoints_weights_with_init(name, tiny_target, tm
 
 def test_init_refuses_a_folder_without_a_checkpoint_and_one_of_another_shape(tiny_target, tmp_path, cache):
     with pytest.raises(ValueError, match="not a checkpoint folder"):
-        tiny_config(tmp_path, "eagle3", init=str(tmp_path / "nothing"))
+        train(tiny_config(tmp_path, "eagle3", init=str(tmp_path / "nothing")), target=tiny_target)
     first = tiny_config(tmp_path / "a", "eagle3")
     train(first, target=tiny_target)
     recipe, options = RECIPES["eagle3"]

@@ -10,7 +10,6 @@ trainer never names a drafter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from specdec.eval.config import TargetConfig
@@ -110,5 +109,3 @@ class TrainConfig:
             raise ValueError("out: the checkpoint folder is required")
         if self.threads < 1 or self.log_every < 1 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("threads and log_every must be >= 1, save_every and eval_every >= 0")
-        if self.init is not None and not (Path(self.init) / "config.json").is_file():
-            raise ValueError(f"init: {self.init!r} is not a checkpoint folder (no config.json in it)")

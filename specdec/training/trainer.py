@@ -272,6 +272,9 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
     recipe = load_recipe(cfg.recipe, cfg.options)
     if cfg.init and type(recipe).load is Recipe.load:  # before the data and features are made
         raise ValueError(f"{cfg.recipe} cannot start from a checkpoint: it has no Recipe.load (init={cfg.init!r})")
+    if cfg.init and not (Path(cfg.init) / "config.json").is_file():  # checked here, not in the config: a
+        # recorded two-part command names a folder its first part writes
+        raise ValueError(f"init: {cfg.init!r} is not a checkpoint folder (no config.json in it)")
     target = target if target is not None else _build_target(cfg)
     if target is not None:
         target.model.requires_grad_(False).to(acc.device)
