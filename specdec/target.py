@@ -14,7 +14,9 @@ last layer before the final norm. DFlash/DSpark name layers by their *output*; c
 **Fast paths** (``Target(fast=True)``, the default; ``fast=False`` runs every block through the
 general tree path, for comparisons): a chain builds no ancestor matrix, and a chain over a dense
 store (no holes: a prefill of equal-length prompts, plain decoding) passes no mask at all, so
-transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask).
+transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask),
+and on a CPU the linear layers over a few rows (a verified block, a small batch) take
+:mod:`specdec.few_rows`'s faster product.
 ``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
 CPU threads from the machine unless the user already chose.
 """
@@ -26,7 +28,7 @@ import inspect
 import math
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdec.few_rows import few_rows, install
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
 from specdec.types import Requirements, chain_parents, padded_ids
@@ -140,6 +143,9 @@ class Target:
         self._hooks: list = []
         backend = compile if isinstance(compile, str) else "inductor"
         self._decode = torch.compile(self.decoder, dynamic=True, backend=backend) if compile else self.decoder
+        self._compiled = bool(compile)
+        if not compile:  # a compiled decoder picks its own kernels
+            install(model)  # inert outside few_rows(): the model stays as it was for any other caller
 
     # --- what the target hands out -------------------------------------------------------
     @property
@@ -357,17 +363,18 @@ class Target:
         else:
             plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
-        out = self._decode(
-            input_ids=tokens.to(self.device),
-            attention_mask=plan.attention_mask,
-            position_ids=plan.position_ids,
-            cache=self.kv_cache(session.cache),
-            use_cache=True,
-        )
-        h = out.last_hidden_state
-        if logits_rows is not None:
-            h = h.gather(1, logits_rows.to(self.device).unsqueeze(-1).expand(-1, -1, h.shape[-1]))
-        logits = self.logits(h)
+        with few_rows() if self.fast and not self._compiled else nullcontext():
+            out = self._decode(
+                input_ids=tokens.to(self.device),
+                attention_mask=plan.attention_mask,
+                position_ids=plan.position_ids,
+                cache=self.kv_cache(session.cache),
+                use_cache=True,
+            )
+            h = out.last_hidden_state
+            if logits_rows is not None:
+                h = h.gather(1, logits_rows.to(self.device).unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+            logits = self.logits(h)
         hidden = {i: self._captured[i] for i in self.requirements.layer_inputs}
         final = self._captured.get("final")
         self._captured = {}

@@ -63,8 +63,8 @@ def test_drafter_reads_the_layer_inputs_it_declares(deep_target):
     session = deep_target.new_session(1)
     with deep_target.capturing(d.requirements()):
         mine = deep_target.forward(session, ids_t)
-    for i in ids:
-        torch.testing.assert_close(mine.hidden[i], out.hidden_states[i])
+    for i in ids:  # the target's linear layers over a few rows round differently (specdec.few_rows)
+        torch.testing.assert_close(mine.hidden[i], out.hidden_states[i], rtol=1e-4, atol=1e-4)
 
 
 # --- reduced vocabulary ----------------------------------------------------------------------------
