@@ -1,7 +1,7 @@
 """Linear layers over a few rows computed as ``(W @ xᵀ)ᵀ`` on a CPU.
 
 Verifying k + 1 tokens multiplies every weight of the target by a few rows. On a CPU, ``F.linear``
-(``x @ Wᵀ``) over 2–8 rows takes a GEMM path that costs up to twice its one-row product, although
+(``x @ Wᵀ``) over 2–5 rows takes a GEMM path that costs up to twice its one-row product, although
 the weights are read once either way; the same product written ``W @ xᵀ`` reaches another kernel
 of the same BLAS and costs much less (SmolLM2-135M, one thread: a 2-token forward 1.71× a 1-token
 one with ``F.linear``, 1.31× this way; docs/roofline.md). Only the rounding differs.
@@ -23,9 +23,10 @@ from torch import Tensor, nn
 
 __all__ = ["FEW_ROWS", "install", "few_rows"]
 
-FEW_ROWS = 8
-"""Rows up to which ``W @ xᵀ`` is taken: it was faster from 2 to 8 rows and slower from 9 on
-(SmolLM2-135M's layers and its 49k-row LM head, MKL, one thread)."""
+FEW_ROWS = 5
+"""Rows up to which ``W @ xᵀ`` is taken. SmolLM2-135M's forward (MKL, one thread, 128 tokens of
+context) took 0.74–0.87x the time of ``F.linear``'s at 2 to 5 rows (batch × block), 0.98–1.04x at 6,
+and 1.06–1.15x at 7 and 8."""
 
 _MAX_ROWS: ContextVar[int] = ContextVar("specdec_few_rows", default=0)
 
