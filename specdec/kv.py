@@ -222,8 +222,11 @@ class KVStore:
             return out
 
         self._valid, self._slot_pos = moved(self._valid, 1), moved(self._slot_pos, 1)
-        self._keys = [None if k is None else moved(k, 2) for k in self._keys]
-        self._values = [None if v is None else moved(v, 2) for v in self._values]
+        for buffers in (self._keys, self._values):
+            for i, x in enumerate(buffers):  # one buffer at a time: the old one is freed before the next moves
+                if x is not None:
+                    buffers[i] = moved(x, 2)
+                    del x
 
     # --- between steps ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -134,6 +134,9 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
     for r in res["context"]:
         assert _positive(r["time_s"]) and _positive(r["prefill_s"]) and _positive(r["pct_of_bandwidth_limit"])
         assert r["memory"] is None or all(math.isfinite(r[f]) for f in ("prefill_peak_mib", "decode_peak_mib"))
+        # the tensors' own count: the prefill leaves at least the K and V of the context allocated
+        assert r["held_tensor_mib"] >= 0.99 * r["kv_mib"] > 0, r
+        assert r["prefill_tensor_mib"] >= r["held_tensor_mib"] and r["decode_tensor_mib"] >= r["held_tensor_mib"]
 
     assert {(r["context"], r["method"]) for r in res["speedup"]} == {
         (c, m) for c in rc.speedup_contexts for m in ("ar", "ngram", "eagle3")}
@@ -148,3 +151,23 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
     for fig in ("roofline_time.png", "roofline_ratio.png", "context.png"):
         assert (tmp_path / fig).stat().st_size > 10_000, fig
     assert all((tmp_path / f"speedup_ctx{c}" / "summary.json").exists() for c in rc.speedup_contexts)
+
+
+def test_tensor_peak_counts_what_is_allocated_in_time_order():
+    from specdec.eval.roofline import TensorPeak
+
+    x = torch.randn(100, 100)
+    with torch.inference_mode(), TensorPeak() as tp:
+        a = torch.empty(4_000_000, dtype=torch.uint8)
+        b = torch.empty(1_000_000, dtype=torch.uint8)
+        del a
+        c = x.new_zeros(500_000)  # 2 MB of float32
+        tp.mark()
+        d = torch.empty(6_000_000, dtype=torch.uint8)
+        del d, c
+    mib = 2**20
+    assert tp.segments == [pytest.approx((5_000_000 / mib, 3_000_000 / mib), abs=1e-3),
+                           pytest.approx((9_000_000 / mib, 1_000_000 / mib), abs=1e-3)]
+    assert tp.peak_mib == pytest.approx(9_000_000 / mib, abs=1e-3)
+    assert tp.net_mib == pytest.approx(1_000_000 / mib, abs=1e-3)
+    del b

@@ -43,6 +43,7 @@ Writes ``roofline.json``, ``roofline.md``, ``roofline_time.png``, ``roofline_rat
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -62,7 +63,7 @@ from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
 
-__all__ = ["run_roofline", "ForwardCost", "PeakMemory", "stream_bandwidth", "linear_peak", "tree_parents"]
+__all__ = ["run_roofline", "ForwardCost", "PeakMemory", "TensorPeak", "stream_bandwidth", "linear_peak", "tree_parents"]
 
 SPEEDUP_KEYS = ("drafter", "k", "requests", "new_tokens", "tokens_per_s", "speedup", "decode_speedup",
                 "mean_accepted_length", "decode_s_per_token", "verify_s_per_step", "draft_s_per_step",
@@ -142,6 +143,58 @@ class PeakMemory:
             return None
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else self._status("VmHWM")
         return (peak - self.base) / 2**20
+
+
+class TensorPeak:
+    """Peak bytes of the tensors allocated inside the block and still alive, in MiB, counted by
+    ``torch.profiler``'s memory events in time order (each op's own allocations net of its own
+    frees, and the frees between ops): what the code asked for, the same on every run, where the
+    resident set (:class:`PeakMemory`) also moves with the allocator. :meth:`mark` splits the
+    block into segments; ``segments`` holds each one's (peak, held at its end), both counted from
+    the start of the block. A buffer allocated and freed inside one op is not seen. CPU tensors
+    only (on CUDA, :class:`PeakMemory` already counts allocations)."""
+
+    _MARK = "specdec.tensor_peak.mark"
+
+    def __init__(self):
+        self.segments: list[tuple[float, float]] = []
+
+    def __enter__(self) -> TensorPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def mark(self) -> None:
+        """End the current segment here."""
+        with torch.profiler.record_function(self._MARK):
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self._prof.__exit__(*exc)
+        events = sorted((e for e in self._prof.events() if e.self_cpu_memory_usage or e.name == self._MARK),
+                        key=lambda e: e.time_range.start)
+        held = peak = 0
+        segments = []
+        for e in events:
+            if e.name == self._MARK:
+                segments.append((peak, held))
+                peak = held
+            else:
+                held += e.self_cpu_memory_usage
+                peak = max(peak, held)
+        segments.append((peak, held))
+        self.segments = [(p / 2**20, h / 2**20) for p, h in segments]
+        del self._prof
+
+    @property
+    def peak_mib(self) -> float:
+        return max(p for p, _ in self.segments)
+
+    @property
+    def net_mib(self) -> float:
+        return self.segments[-1][1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -324,27 +377,42 @@ def forward_sweep(target: Target, rc: RooflineConfig, gen: torch.Generator) -> t
 
 def context_sweep(target: Target, rc: RooflineConfig, gen: torch.Generator) -> list[dict]:
     """Per context and impl: prefill time and peak memory, then the forwards of ``context_new_tokens``
-    at that context, with the peak memory of that phase (over the same baseline: it holds the KV)."""
+    at that context, with the peak memory of that phase (over the same baseline: it holds the KV).
+    On a CPU also the tensors' own peaks (:class:`TensorPeak`), counted from before the prefill:
+    the prefill's (counted while it is timed: the profiler's cost is per op, about a thousand of
+    them, against a prefill of hundreds of milliseconds), what it leaves held, and one untimed
+    forward of each m right after it (so a KV store that grows for the block is counted)."""
     rows = []
     cost = ForwardCost.of(target)
+    count_tensors = target.device.type == "cpu"
     for ctx in rc.contexts:
         context = _ids(gen, target.vocab_size, 1, ctx)
         for impl in rc.impls:
             mem = PeakMemory(target.device)
             mem.start()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
+            blocks = [_ids(gen, target.vocab_size, 1, m) for m in rc.context_new_tokens]
+            tensors = TensorPeak() if count_tensors else None
+            with torch.inference_mode(), tensors or contextlib.nullcontext():
+                t0 = time.perf_counter()
                 fwd = IMPLS[impl](target, context)
-            _sync(target.device)
-            prefill_s, prefill_peak = time.perf_counter() - t0, mem.peak_mib()
-            mem.reset()
+                _sync(target.device)
+                prefill_s, prefill_peak = time.perf_counter() - t0, mem.peak_mib()
+                mem.reset()
+                if tensors is not None:
+                    for tokens in blocks:
+                        tensors.mark()
+                        fwd.call(tokens, None)()
+                        fwd.drop(tokens)
+            counted = tensors.segments if tensors is not None else [(None, None)] * (len(blocks) + 1)
             points = []
-            for m in rc.context_new_tokens:
-                times = _point(fwd, _ids(gen, target.vocab_size, 1, m), None, rc.reps, target.device)
+            for m, tokens, (step_peak, _) in zip(rc.context_new_tokens, blocks, counted[1:]):
+                times = _point(fwd, tokens, None, rc.reps, target.device)
                 points.append({"impl": impl, "context": ctx, "m": m, "time_s": min(times), "times_s": times,
                                "bytes": cost.bytes(1, m, ctx), "flops": cost.flops(1, m, ctx),
                                "kv_mib": cost.kv_bytes_per_slot * ctx / 2**20, "prefill_s": prefill_s,
-                               "prefill_peak_mib": prefill_peak, "memory": mem.kind})
+                               "prefill_peak_mib": prefill_peak, "memory": mem.kind,
+                               "prefill_tensor_mib": counted[0][0], "held_tensor_mib": counted[0][1],
+                               "decode_tensor_mib": step_peak})
             decode_peak = mem.peak_mib()
             rows += [{**p, "decode_peak_mib": decode_peak} for p in points]
             del fwd
@@ -504,14 +572,18 @@ def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
     if result["context"]:
         kind = result["context"][0]["memory"] or "not measured"
         lines += ["", f"Against context (batch 1, {rc.threads[0]} thread(s), {cfg.target.dtype}); peak memory above"
-                  f" the memory in use before the prefill, {kind}; the decode peak holds the KV cache.", "",
+                  f" the memory in use before the prefill, {kind}; the decode peak holds the KV cache."
+                  " Tensor MiB: the tensors' own peak (allocations counted by the profiler, the same on every"
+                  " run); held: what the prefill leaves allocated.", "",
                   "| context | impl | m | step ms | BW limit ms | % of BW limit | prefill s | prefill peak MiB"
-                  " | decode peak MiB | KV MiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  " | decode peak MiB | prefill tensor MiB | held tensor MiB | decode tensor MiB | KV MiB |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in result["context"]:
             lines.append(f"| {r['context']} | {r['impl']} | {r['m']} | {r['time_s'] * 1e3:.1f}"
                          f" | {_ms(r.get('bandwidth_limit_s'))} | {_f(r.get('pct_of_bandwidth_limit'), '.1f')}"
                          f" | {r['prefill_s']:.2f} | {_f(r['prefill_peak_mib'], '.0f')}"
-                         f" | {_f(r['decode_peak_mib'], '.0f')}"
+                         f" | {_f(r['decode_peak_mib'], '.0f')} | {_f(r.get('prefill_tensor_mib'), '.0f')}"
+                         f" | {_f(r.get('held_tensor_mib'), '.0f')} | {_f(r.get('decode_tensor_mib'), '.0f')}"
                          f" | {r['kv_mib']:.0f} |")
     if result["speedup"]:
         lines += ["", f"Speculative decoding against context (dataset `{cfg.dataset.name}`, {cfg.dataset.output_len}"
