@@ -25,7 +25,7 @@ What it measures (the grid is :class:`~specdec.eval.config.RooflineConfig`; ever
 3. **Context sweep** (batch 1, the first thread count, the target's dtype): prefill ``C`` tokens
    (library: ``Target.prefill``; transformers: one forward with ``logits_to_keep=1``, as
    ``generate()`` does), then the forwards of ``context_new_tokens`` at that context, with the peak
-   memory of each phase (:class:`PeakMemory`).
+   memory of each phase (:class:`PeakMemory`; on a CPU also the tensors' own, :class:`TensorPeak`).
 4. **Speedups against context.** The run's own methods (``methods``: ngram, eagle3, ...) and
    autoregressive decoding through :func:`~specdec.eval.runner.run_experiment`, with
    ``dataset.input_len = C``; each context's run folder is ``speedup_ctx<C>/``.

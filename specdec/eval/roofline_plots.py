@@ -114,6 +114,12 @@ def _context_figure(result: dict[str, Any], path: Path) -> None:
                     color=COLORS.get(impl), label=f"{impl} prefill peak")
             ax.plot([c for c, _ in pts], [r["decode_peak_mib"] for _, r in pts], "-", marker="o", ms=3,
                     color=COLORS.get(impl), label=f"{impl} decode peak")
+            m1 = min(r["m"] for r in ctx)
+            tensors = sorted((r["context"], r["decode_tensor_mib"]) for r in ctx
+                             if r["impl"] == impl and r["m"] == m1 and r.get("decode_tensor_mib") is not None)
+            if tensors:  # the tensors' own count (CPU): what the resident set cannot settle
+                ax.plot(*zip(*tensors), ":", marker="^", ms=3, color=COLORS.get(impl),
+                        label=f"{impl} decode tensors (m={m1})")
         kv = sorted({(c, r["kv_mib"]) for (_, c), r in first.items()})
         ax.plot(*zip(*kv), ":", marker="x", ms=3, color="black", label="KV cache (model)")
         ax.set_ylabel("peak MiB above the memory before prefill")
