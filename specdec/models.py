@@ -162,7 +162,8 @@ def _recorded_only(folder: Path) -> bool:
 
 def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
     """Name → (reproducing command, the folder it writes) of every checkpoint recorded but not
-    committed: its folder keeps only ``training.json`` (how it was made and what it measured)."""
+    committed: its folder keeps only ``training.json`` (how it was made and what it measured).
+    A checkpoint trained in parts from earlier weights gives its commands joined by ``&&``."""
     root = _checkpoint_root()
     if root is None:
         return {}
@@ -171,7 +172,8 @@ def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
         if _recorded_only(p):
             rec = json.loads((p / "training.json").read_text())
             if rec.get("equivalent_command"):  # the one trainer's recipe, which writes to this folder
-                out[p.name] = (rec["equivalent_command"], f"experiments/checkpoints/{p.name}")
+                commands = [*rec.get("remake_first", []), rec["equivalent_command"]]
+                out[p.name] = (" && ".join(commands), f"experiments/checkpoints/{p.name}")
             else:
                 out[p.name] = (rec["command"], rec["config"]["out"])
     return out

@@ -378,9 +378,14 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
     assert subprocess.run(["git", "cat-file", "-e", f"{record.revision}^{{commit}}"], cwd=ROOT).returncode == 0
     command = record.equivalent_command or record.command
     prefix = "python experiments/train.py --config-name "
-    assert command.startswith(prefix)  # the one trainer's command for this recipe, writing to this folder
-    name, *overrides = shlex.split(command[len(prefix):])
-    assert compose_train(name, overrides).out == f"experiments/checkpoints/{folder}"
+    reads = None  # the folder the next command's init= names: the one the command before it writes
+    for i, part in enumerate([*record.remake_first, command]):
+        assert part.startswith(prefix)  # the one trainer's command for this recipe
+        name, *overrides = shlex.split(part[len(prefix):])
+        cfg = compose_train(name, overrides)
+        assert cfg.init == reads, (i, part)
+        reads = cfg.out
+    assert reads == f"experiments/checkpoints/{folder}"  # the last writes to this folder
 
 
 def test_entry_point_trains_and_records_its_command(tmp_path):

@@ -87,6 +87,8 @@ class TrainingRecord:
     parts: list[dict[str, Any]] = field(default_factory=list)  # the commands of a run done in several parts
     versions: dict[str, str] = field(default_factory=dict)
     equivalent_command: str | None = None  # for checkpoints made before the one trainer: the same recipe with it
+    # the commands to run before equivalent_command, in order: earlier parts whose folders its init= reads
+    remake_first: list[str] = field(default_factory=list)
     note: str | None = None
     # the draft length that measured fastest with this checkpoint, filled in after measuring (the
     # trainer writes None): {"k": int, "measured": "the command, and the figure it gave"}; the demo's default k
