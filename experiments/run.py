@@ -63,8 +63,8 @@ register_configs()
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    torch.set_num_threads(1)  # small shared CPUs: one intra-op thread keeps timings stable
     run_cfg = to_run_config(cfg)
+    torch.set_num_threads(run_cfg.threads)  # the config's: one by default, stable timings on a small shared CPU
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if run_cfg.mode == "roofline":

@@ -213,13 +213,15 @@ def _tokens(folder: Path) -> dict[tuple[str, int], list[int]]:
 
 def test_entry_point_writes_its_files_and_a_rerun_gives_the_same_tokens(tmp_path):
     args = [*TINY_RUN, "drafter=draft_model", "sampling=nucleus", "concurrency=2", "seed=7",
-            "hf_compare=[generate,prompt_lookup]"]
+            "hf_compare=[generate,prompt_lookup]", "threads=2"]
     _run_entry(*args, f"hydra.run.dir={tmp_path / 'a'}")
     a = tmp_path / "a"
     for f in ("config.yaml", "config.json", "requests.jsonl", "summary.json", "summary.md"):
         assert (a / f).is_file(), f
-    cfg = json.loads((a / "config.json").read_text())["config"]
+    recorded = json.loads((a / "config.json").read_text())
+    cfg = recorded["config"]
     assert cfg["concurrency"] == 2 and cfg["sampling"]["temperature"] == 0.7 and cfg["drafter"]["name"] == "draft_model"
+    assert cfg["threads"] == 2 and recorded["torch_threads"] == 2  # the run used what it was given
     summary = json.loads((a / "summary.json").read_text())
     assert set(summary) == {"ar", "spec", "hf_generate", "hf_prompt_lookup"}
     spec = summary["spec"]

@@ -180,6 +180,7 @@ class RunConfig:
     hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
     warmup: bool = True  # one short untimed run of every method first
     progress: bool = True  # tqdm bars
+    threads: int = 1  # torch intra-op CPU threads (experiments/run.py sets them): one keeps timings stable on a shared CPU
     mode: str = "decode"  # one of MODES
     roofline: RooflineConfig = field(default_factory=RooflineConfig)  # mode: roofline only
 
@@ -188,6 +189,8 @@ class RunConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
