@@ -39,18 +39,31 @@ def test_values_match_f_linear(shape, bias):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows, inside, product", [
-    (1, True, "linear"), (2, True, "mm"), (FEW_ROWS, True, "mm"), (FEW_ROWS + 1, True, "linear"),
-    (2, False, "linear"), (FEW_ROWS, False, "linear"),
-])
-def test_the_product_is_taken_only_inside_for_few_rows(rows, inside, product):
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads, rows, inside, product", [
+    (1, 1, True, "linear"), (2, 1, True, "mm"), (1, 2, True, "mm"), (1, FEW_ROWS, True, "mm"),
+    (2, FEW_ROWS + 1, True, "linear"), (1, 2, False, "linear"), (2, 1, False, "linear"),
+], indirect=["threads"])
+def test_the_product_is_taken_only_inside_for_few_rows(threads, rows, inside, product):
+    """One row takes it only with more than one thread (padded to two rows, it uses them)."""
     model = _model()
     install(model)
     calls = _Calls()
-    with torch.no_grad(), (few_rows() if inside else torch.no_grad()), calls:
-        model(torch.randn(rows, 24))
+    x = torch.randn(rows, 24)
+    with torch.no_grad():
+        want = model(x)
+        with (few_rows() if inside else torch.no_grad()), calls:
+            got = model(x)
     products = [n for n in calls.names if n in ("linear", "mm")]
     assert products == [product, product]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_other_dtypes_and_limits_fall_back():
