@@ -1,20 +1,29 @@
-"""Linear layers over a few rows computed as ``(W @ xᵀ)ᵀ`` on a CPU.
+"""Linear layers over a few rows computed as ``(W @ xᵀ)ᵀ`` on a CPU, where this machine says it is faster.
 
 Verifying k + 1 tokens multiplies every weight of the target by a few rows. On a CPU, ``F.linear``
-(``x @ Wᵀ``) over 2–5 rows takes a GEMM path that costs up to twice its one-row product, although
-the weights are read once either way; the same product written ``W @ xᵀ`` reaches another kernel
-of the same BLAS and costs much less (SmolLM2-135M, one thread: a 2-token forward 1.71× a 1-token
-one with ``F.linear``, 1.26× this way; on two threads 0.93×, as its GEMV-like kernel uses both cores;
-docs/roofline.md). Only the rounding differs.
+(``x @ Wᵀ``) and the same product written ``W @ xᵀ`` reach different kernels of the BLAS, and which
+is faster over 1–5 rows depends on the CPU: on an AMD EPYC a SmolLM2-135M forward over 2 tokens
+took 1.71× a 1-token one with ``F.linear`` and 1.26× the other way; on an Intel Xeon with AMX
+``F.linear`` is flat up to 3 rows and ``W @ xᵀ`` costs twice as much (docs/roofline.md). Only the
+rounding differs.
 
-:func:`install` gives every float32 ``nn.Linear`` of a model a forward that takes this path while
-:func:`few_rows` is in effect (the target's own forward) and behaves as ``F.linear`` otherwise, so
-the same model called elsewhere (transformers' ``generate``, a training step) is unchanged.
+So the choice is measured, not assumed: :func:`rows_for` times one pass over the model's own
+float32 linear layers both ways for each row count up to :data:`FEW_ROWS` (at the current number
+of threads, once per model and thread count: 1–2 seconds for SmolLM2 on one thread) and keeps the row counts
+where ``W @ xᵀ`` is at least :data:`MARGIN` faster; :func:`pin` fixes the choice instead (tests,
+or a user who measured). One row is padded with a zero row to two (a GEMV may run on one thread).
+
+:func:`install` gives every float32 ``nn.Linear`` of a model a forward that takes this path for
+the row counts :func:`few_rows` names (the target's own forward enters it) and behaves as
+``F.linear`` otherwise, so the same model called elsewhere (transformers' ``generate``, a training
+step) is unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+import weakref
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -22,21 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FEW_ROWS", "install", "few_rows"]
+__all__ = ["FEW_ROWS", "MARGIN", "install", "few_rows", "measure", "rows_for", "pin"]
 
 FEW_ROWS = 5
-"""Rows up to which ``W @ xᵀ`` is taken. SmolLM2-135M's forward (MKL, 128 tokens of context) took
-0.74–0.87x the time of ``F.linear``'s at 2 to 5 rows (batch × block), 0.98–1.04x at 6, and
-1.06–1.15x at 7 and 8 on one thread; 0.55–0.70x at 2 to 5 rows and 0.94–1.02x at 6 to 9 on two.
-With two threads one row, padded with a zero row, took 0.85–0.90x (a decoding step: 46.6–48.2 ms
-against 51.6–56.9); with one, 3.8x."""
+"""Row counts up to which ``W @ xᵀ`` is considered. Past 5 rows it was slower on both CPUs measured."""
 
-_MAX_ROWS: ContextVar[int] = ContextVar("specdec_few_rows", default=0)
+MARGIN = 0.1
+"""``W @ xᵀ`` is taken for a row count only when a pass takes at most ``1 - MARGIN`` of
+``F.linear``'s: timing noise must not flip the choice (and with it the rounding) between runs."""
+
+_ROWS: ContextVar[frozenset[int]] = ContextVar("specdec_few_rows", default=frozenset())
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[int, frozenset[int]]] = weakref.WeakKeyDictionary()
 
 
 class _FewRowForward:
-    """The forward of one ``nn.Linear``: ``W @ xᵀ`` for 2 to the current limit of rows of a
-    float32 input on the CPU (from 1 row with more than one thread), ``F.linear`` for anything else."""
+    """The forward of one ``nn.Linear``: ``W @ xᵀ`` for the row counts in effect, of a float32
+    input on the CPU; ``F.linear`` for anything else."""
 
     __slots__ = ("module",)
 
@@ -46,17 +56,21 @@ class _FewRowForward:
     def __call__(self, x: Tensor) -> Tensor:
         w, b = self.module.weight, self.module.bias
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        fewest = 1 if torch.get_num_threads() > 1 else 2
-        if (not fewest <= rows <= _MAX_ROWS.get() or w.device.type != "cpu"
+        if (rows not in _ROWS.get() or w.device.type != "cpu"
                 or w.dtype != torch.float32 or x.dtype != torch.float32):
             return F.linear(x, w, b)
-        flat = x.reshape(rows, x.shape[-1])
-        if rows == 1:  # one row runs on one thread (a GEMV); padded to two it uses them all
-            flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-        y = torch.mm(w, flat.T).T[:rows].contiguous()  # contiguous: what follows expects it
-        if b is not None:
-            y += b
-        return y.view(*x.shape[:-1], w.shape[0])
+        return _product(x.reshape(rows, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+
+
+def _product(flat: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """``(W @ flatᵀ)ᵀ`` [rows, out], contiguous (what follows expects it); one row padded to two."""
+    rows = flat.shape[0]
+    if rows == 1:
+        flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    y = torch.mm(w, flat.T).T[:rows].contiguous()
+    if b is not None:
+        y += b
+    return y
 
 
 def install(model: nn.Module) -> int:
@@ -71,11 +85,56 @@ def install(model: nn.Module) -> int:
     return n
 
 
+def _cpu_float32_weights(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear
+            and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+
+
+@torch.inference_mode()
+def measure(model: nn.Module, max_rows: int = FEW_ROWS, reps: int = 2) -> dict[int, tuple[float, float]]:
+    """Seconds of one pass over ``model``'s float32 CPU linear layers per row count, ``F.linear``
+    then ``W @ xᵀ``, best of ``reps`` (the two interleaved), at the current number of threads."""
+    layers = _cpu_float32_weights(model)
+    widths = {m.in_features for m in layers}
+    out: dict[int, tuple[float, float]] = {}
+    for rows in range(1, max_rows + 1):
+        xs = {d: torch.randn(rows, d) for d in widths}
+        best = [float("inf"), float("inf")]
+        for _ in range(reps):
+            for i, fn in enumerate((lambda x, m: F.linear(x, m.weight, m.bias), lambda x, m: _product(x, m.weight, m.bias))):
+                t0 = time.perf_counter()
+                for m in layers:
+                    fn(xs[m.in_features], m)
+                best[i] = min(best[i], time.perf_counter() - t0)
+        out[rows] = (best[0], best[1])
+    return out
+
+
+def rows_for(model: nn.Module) -> frozenset[int]:
+    """The row counts for which ``model``'s linear layers take ``W @ xᵀ`` at the current number of
+    threads: pinned (:func:`pin`), or measured once (:func:`measure`, :data:`MARGIN`)."""
+    threads = torch.get_num_threads()
+    chosen = _CHOSEN.setdefault(model, {})
+    if threads not in chosen:
+        times = measure(model) if _cpu_float32_weights(model) else {}
+        chosen[threads] = frozenset(r for r, (linear, mm) in times.items() if mm <= (1 - MARGIN) * linear)
+    return chosen[threads]
+
+
+def pin(model: nn.Module, rows: Iterable[int], threads: int | None = None) -> None:
+    """Fix the row counts that take ``W @ xᵀ`` for ``model`` at ``threads`` (default: the current
+    number), instead of measuring them."""
+    rows = frozenset(rows)
+    if not all(isinstance(r, int) and r >= 1 for r in rows):
+        raise ValueError(f"rows must be positive integers, got {sorted(rows, key=str)}")
+    _CHOSEN.setdefault(model, {})[threads or torch.get_num_threads()] = rows
+
+
 @contextmanager
-def few_rows(max_rows: int = FEW_ROWS) -> Iterator[None]:
-    """Within this block, installed linear layers over 2..``max_rows`` rows take ``W @ xᵀ``."""
-    token = _MAX_ROWS.set(max_rows)
+def few_rows(rows: Iterable[int]) -> Iterator[None]:
+    """Within this block, installed linear layers over any of ``rows`` rows take ``W @ xᵀ``."""
+    token = _ROWS.set(frozenset(rows))
     try:
         yield
     finally:
-        _MAX_ROWS.reset(token)
+        _ROWS.reset(token)

@@ -7,9 +7,10 @@ compute but never change a logit. A store fed committed tokens only (a drafter's
 commits every real slot and never rolls back.
 
 **Memory.** Every layer's keys and values live in buffers ``[B, H, capacity, D]`` (K and V may
-differ in ``H`` and ``D``, as MLA latents do) preallocated in blocks of :attr:`KVStore.block`
-slots, and so do the per-slot ``valid`` / ``slot_pos``: a step writes into the buffers, and only
-crossing a block boundary reallocates. Everything handed out is a view over the used slots; the
+differ in ``H`` and ``D``, as MLA latents do) preallocated: a run that knows its longest row :meth:`~KVStore.reserve`-s exactly
+that many slots before its prefill; past the reservation the buffers grow in blocks of
+:attr:`KVStore.block` slots, and so do the per-slot ``valid`` / ``slot_pos``: a step writes into the
+buffers, and only crossing a block boundary reallocates. Everything handed out is a view over the used slots; the
 slots past them are never read, so they are left uninitialised.
 
 Every method that changes the store runs in inference mode: its buffers are inference tensors,
@@ -204,6 +205,15 @@ class KVStore:
         self.lengths = self.lengths + (m if keep is None else keep.sum(1))
         self.dense = self.dense and keep is None
         self._pending = None
+
+    def reserve(self, slots: int) -> None:
+        """Room for ``slots`` slots in every buffer, exactly (no-op when they fit). A run that knows
+        its longest row (prompt + new tokens + a block) reserves it before its prefill: the buffers
+        are then allocated once, at that size, instead of growing a block at a time past it."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise ValueError(f"reserve() takes a number of slots >= 0, got {slots!r}")
+        if slots > self.capacity:
+            self._move(slots)
 
     def _reserve(self, slots: int) -> None:
         """Grow every buffer to hold ``slots`` slots, in whole blocks (no-op when they fit)."""

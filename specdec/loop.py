@@ -150,7 +150,11 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     outputs: list[list[int]] = [[] for _ in requests]
 
     t0 = clock()
-    session = target.new_session(B)
+    # the slots a dense run can reach: the longest prompt and new tokens, and a chain block past them
+    # (trees and holes may need more: the store then grows past it a block at a time)
+    room = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+    room += k + 1 if drafter is not None else 0
+    session = target.new_session(B, reserve=room)
     wants_cache = drafter is not None and drafter.requirements().target_cache
     shared_cache = session.cache if wants_cache else None
     out, padded, lengths = target.prefill(session, [r.prompt for r in requests])

@@ -16,7 +16,7 @@ general tree path, for comparisons): a chain builds no ancestor matrix, and a ch
 store (no holes: a prefill of equal-length prompts, plain decoding) passes no mask at all, so
 transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask),
 and on a CPU the linear layers over a few rows (a verified block, a small batch) take
-:mod:`specdec.few_rows`'s faster product.
+:mod:`specdec.few_rows`'s other product where it measured faster on this machine.
 ``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
 CPU threads from the machine unless the user already chose.
 """
@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from specdec.few_rows import few_rows, install
+from specdec.few_rows import FEW_ROWS, few_rows, install, rows_for
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
 from specdec.types import Requirements, chain_parents, padded_ids
@@ -345,8 +345,12 @@ class Target:
         return hook
 
     # --- running --------------------------------------------------------------------------
-    def new_session(self, batch: int) -> TargetSession:
-        return TargetSession(self.new_store(batch))
+    def new_session(self, batch: int, reserve: int = 0) -> TargetSession:
+        """A session for ``batch`` rows; ``reserve`` slots of KV are allocated up front (the longest
+        row the run can reach), so the store never grows past it block by block."""
+        store = self.new_store(batch)
+        store.reserve(reserve)
+        return TargetSession(store)
 
     @torch.inference_mode()
     def forward(self, session: TargetSession, tokens: Tensor, parents: Tensor | None = None,
@@ -363,7 +367,8 @@ class Target:
         else:
             plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
-        with few_rows() if self.fast and not self._compiled else nullcontext():
+        few = self.fast and not self._compiled and self.device.type == "cpu" and B * m <= FEW_ROWS
+        with few_rows(rows_for(self.model)) if few else nullcontext():
             out = self._decode(
                 input_ids=tokens.to(self.device),
                 attention_mask=plan.attention_mask,

@@ -1,5 +1,6 @@
 """The few-row product of linear layers (specdec.few_rows): the same values as ``F.linear`` up to
-rounding, taken only inside its block, for 2..max rows of float32 on the CPU."""
+rounding, taken only inside its block, for the row counts it names, of float32 on the CPU; which
+row counts is measured per model and thread count, or pinned."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from specdec.few_rows import FEW_ROWS, few_rows, install
+from specdec import few_rows as fr
+from specdec.few_rows import FEW_ROWS, MARGIN, few_rows, install, pin, rows_for
 
 
 class _Calls(TorchFunctionMode):
@@ -33,52 +35,76 @@ def test_values_match_f_linear(shape, bias):
     with torch.no_grad():
         want = model(x)
         assert install(model) == 2
-        with few_rows():
+        with few_rows(range(1, 10)):
             got = model(x)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize("threads, rows, inside, product", [
-    (1, 1, True, "linear"), (2, 1, True, "mm"), (1, 2, True, "mm"), (1, FEW_ROWS, True, "mm"),
-    (2, FEW_ROWS + 1, True, "linear"), (1, 2, False, "linear"), (2, 1, False, "linear"),
-], indirect=["threads"])
-def test_the_product_is_taken_only_inside_for_few_rows(threads, rows, inside, product):
-    """One row takes it only with more than one thread (padded to two rows, it uses them)."""
+@pytest.mark.parametrize("rows, inside, product", [
+    (1, True, "mm"), (2, True, "mm"), (FEW_ROWS, True, "mm"), (3, True, "linear"), (FEW_ROWS + 1, True, "linear"),
+    (1, False, "linear"), (2, False, "linear"),
+])
+def test_the_product_is_taken_only_inside_for_the_rows_it_names(rows, inside, product):
+    """Inside ``few_rows({1, 2, FEW_ROWS})`` only those row counts take ``W @ xᵀ`` (one row padded)."""
     model = _model()
     install(model)
     calls = _Calls()
     x = torch.randn(rows, 24)
     with torch.no_grad():
         want = model(x)
-        with (few_rows() if inside else torch.no_grad()), calls:
+        with (few_rows({1, 2, FEW_ROWS}) if inside else torch.no_grad()), calls:
             got = model(x)
     products = [n for n in calls.names if n in ("linear", "mm")]
     assert products == [product, product]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_other_dtypes_and_limits_fall_back():
+def test_other_dtypes_fall_back():
     model = _model(torch.bfloat16)
     install(model)
     calls = _Calls()
-    with torch.no_grad(), few_rows(), calls:
+    with torch.no_grad(), few_rows({3}), calls:
         model(torch.randn(3, 24, dtype=torch.bfloat16))
     assert [n for n in calls.names if n in ("linear", "mm")] == ["linear", "linear"]
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_rows_are_chosen_by_measurement_once_per_thread_count(monkeypatch, threads):
+    """``W @ xᵀ`` only where it measured at least MARGIN faster; measured once per thread count."""
+    calls = []
+
+    def fake(model):
+        calls.append(torch.get_num_threads())
+        mm_share = {1: 0.5, 2: 1 - MARGIN, 3: 1 - MARGIN / 2, 4: 2.0, 5: 0.8}
+        return {r: (1.0, share) for r, share in mm_share.items()}
+
+    monkeypatch.setattr(fr, "measure", fake)
     model = _model()
-    install(model)
-    calls = _Calls()
-    with torch.no_grad(), few_rows(max_rows=2), calls:
-        model(torch.randn(3, 24))
-    assert [n for n in calls.names if n in ("linear", "mm")] == ["linear", "linear"]
+    torch.set_num_threads(1)
+    assert rows_for(model) == {1, 2, 5} and rows_for(model) == {1, 2, 5} and calls == [1]
+    torch.set_num_threads(2)
+    assert rows_for(model) == {1, 2, 5} and calls == [1, 2]
+    assert rows_for(_model(torch.bfloat16)) == frozenset() and calls == [1, 2]  # nothing to measure
+    pin(model, [3])
+    assert rows_for(model) == {3} and calls == [1, 2]
+
+
+def test_measure_times_both_products_for_every_row_count():
+    times = fr.measure(_model(), max_rows=3, reps=1)
+    assert sorted(times) == [1, 2, 3] and all(a > 0 and b > 0 for a, b in times.values())
+
+
+def test_pin_refuses_bad_rows():
+    for bad in ([0], [1.5], ["2"]):
+        with pytest.raises(ValueError, match="positive integers"):
+            pin(_model(), bad)
 
 
 def test_install_is_idempotent_and_keeps_subclasses_and_state():
@@ -98,7 +124,7 @@ def test_install_is_idempotent_and_keeps_subclasses_and_state():
 def test_the_block_ends_on_error():
     model = _model()
     install(model)
-    with pytest.raises(RuntimeError, match="inside"), few_rows():
+    with pytest.raises(RuntimeError, match="inside"), few_rows({3}):
         raise RuntimeError("inside")
     calls = _Calls()
     with torch.no_grad(), calls:
@@ -106,11 +132,11 @@ def test_the_block_ends_on_error():
     assert [n for n in calls.names if n in ("linear", "mm")] == ["linear", "linear"]
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
-def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast):
+@pytest.mark.parametrize("fast, rows", [(True, {3}), (True, {2}), (False, {3})], ids=["fast", "other-rows", "general"])
+def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
     """A verified block of 3 tokens goes through ``W @ xᵀ`` in every linear layer (LM head
-    included) with the fast paths on, and through ``F.linear`` with them off or outside the
-    target's forward (the same model called directly)."""
+    included) with the fast paths on and 3 rows chosen for this model, and through ``F.linear``
+    otherwise, or outside the target's forward (the same model called directly)."""
     from transformers import DynamicCache
 
     from specdec.target import Target
@@ -118,6 +144,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast):
 
     model = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
     target = Target(model, fast=fast)
+    pin(model, rows)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     session = target.new_session(1)
     target.prefill(session, [[1, 2, 3, 4]])
@@ -125,7 +152,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast):
     with calls:
         logits = target.forward(session, torch.tensor([[5, 6, 7]])).logits
     used = [n for n in calls.names if n in ("linear", "mm")]
-    assert used == ["mm" if fast else "linear"] * linears
+    assert used == ["mm" if fast and 3 in rows else "linear"] * linears
     calls = _Calls()
     with torch.inference_mode(), calls:
         want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=DynamicCache()).logits[:, 4:]

@@ -232,3 +232,49 @@ def test_the_target_writes_into_its_store_in_place():
     assert [s.cache.layer(i)[0].data_ptr() for i in range(t.num_layers)] == ptrs
     assert s.cache.num_slots == 5 and s.cache.lengths.tolist() == [5, 2]
     assert out.logits.shape == (2, 2, 32)
+
+
+def test_a_reservation_is_exact_and_the_store_grows_past_it_by_blocks():
+    store, gen = KVStore(B, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(2)
+    store.reserve(11)
+    assert store.capacity == 11  # exactly, not a whole block
+    step(store, None, chain_parents(5, B), torch.ones(B, 5, dtype=torch.bool), gen)
+    ptr = store.layer(0)[0].data_ptr()
+    step(store, None, chain_parents(6, B), torch.ones(B, 6, dtype=torch.bool), gen)  # fills it: no move
+    assert store.capacity == 11 and store.layer(0)[0].data_ptr() == ptr
+    store.reserve(4)  # smaller than it holds: nothing changes
+    assert store.capacity == 11 and store.layer(0)[0].data_ptr() == ptr
+    before = store.layer(0)[0].clone()
+    step(store, None, chain_parents(1, B), torch.ones(B, 1, dtype=torch.bool), gen)  # past it: a whole block
+    assert store.capacity == KVStore.block and torch.equal(store.layer(0)[0][:, :, :11], before)
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="reserve"):
+            store.reserve(bad)
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["autoregressive", "chain"])
+def test_a_run_allocates_the_targets_kv_once(with_drafter, monkeypatch):
+    """The loop reserves the longest row a dense run reaches (prompt + new tokens + a block): the
+    target's buffers are allocated at that size and never move during the run."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.loop import Request, run
+    from specdec.verifiers import GreedyVerifier
+
+    t = Target(tiny_model("llama", vocab_size=32))
+    sessions, moves = [], []
+    new_session = Target.new_session
+    monkeypatch.setattr(Target, "new_session", lambda self, *a, **kw: sessions.append(new_session(self, *a, **kw))
+                        or sessions[-1])
+    move = KVStore._move
+    monkeypatch.setattr(KVStore, "_move", lambda self, *a, **kw: (moves.append((self, a)), move(self, *a, **kw))[1])
+    prompts, n, k = [[1, 2, 3, 4, 5], [6, 7]], 12, 3
+    drafter = NgramDrafter.create(t) if with_drafter else None
+    res = run(t, drafter, GreedyVerifier(), [Request(p, n) for p in prompts], k=k, eos_token_ids=set())
+    store = sessions[0].cache
+    assert all(len(r.tokens) == n for r in res.requests)
+    if with_drafter:  # drafts were kept and rejected: the rejected ones left holes in the store
+        drafted, accepted = (sum(getattr(r.metrics, f) for r in res.requests) for f in ("drafted", "accepted"))
+        assert drafted > accepted > 0
+    room = 5 + n + (k + 1 if with_drafter else 0)
+    assert [a for s, a in moves if s is store] == [(room,)]  # the reservation, before any K/V existed
+    assert store.capacity == room

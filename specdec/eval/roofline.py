@@ -271,9 +271,11 @@ def tree_parents(m: int) -> list[int]:
 class LibraryForward:
     """The library's target forward as the loop verifies: ``Target.forward`` on a prefilled session."""
 
-    def __init__(self, target: Target, context: Tensor):  # context [B, C]
+    def __init__(self, target: Target, context: Tensor, room: int = 0):  # context [B, C]
+        """``room``: the largest block it will forward; its store reserves the context plus that, as
+        the loop reserves a run's longest row."""
         self.target = target
-        self.session = target.new_session(context.shape[0])
+        self.session = target.new_session(context.shape[0], reserve=context.shape[1] + room)
         target.prefill(self.session, context.tolist())
 
     def call(self, tokens: Tensor, parents: list[int] | None) -> Callable[[], Any]:
@@ -291,14 +293,14 @@ class GeneralLibraryForward(LibraryForward):
     a chain too, through the general path, an ancestor matrix and a 4-D mask. Beside ``library`` in one
     run it measures what the chain fast paths save."""
 
-    def __init__(self, target: Target, context: Tensor):  # context [B, C]
-        super().__init__(Target(target.model, target.tokenizer, fast=False), context)
+    def __init__(self, target: Target, context: Tensor, room: int = 0):  # context [B, C]
+        super().__init__(Target(target.model, target.tokenizer, fast=False), context, room)
 
 
 class TransformersForward:
     """Plain transformers on the same model: ``model(input_ids, cache=DynamicCache)``."""
 
-    def __init__(self, target: Target, context: Tensor):  # context [B, C]
+    def __init__(self, target: Target, context: Tensor, room: int = 0):  # context [B, C]; its cache grows per token
         from transformers import DynamicCache
 
         self.model, self.context = target.model, context.shape[1]
@@ -353,7 +355,7 @@ def forward_sweep(target: Target, rc: RooflineConfig, gen: torch.Generator) -> t
         for impl in rc.impls:
             torch.set_num_threads(rc.threads[0])
             with torch.inference_mode():
-                fwd = IMPLS[impl](target, context)
+                fwd = IMPLS[impl](target, context, max(rc.new_tokens))
             for threads in rc.threads:
                 torch.set_num_threads(threads)
                 for mask in rc.masks:
@@ -394,7 +396,7 @@ def context_sweep(target: Target, rc: RooflineConfig, gen: torch.Generator) -> l
             tensors = TensorPeak() if count_tensors else None
             with torch.inference_mode(), tensors or contextlib.nullcontext():
                 t0 = time.perf_counter()
-                fwd = IMPLS[impl](target, context)
+                fwd = IMPLS[impl](target, context, max(rc.context_new_tokens))
                 _sync(target.device)
                 prefill_s, prefill_peak = time.perf_counter() - t0, mem.peak_mib()
                 mem.reset()
@@ -455,11 +457,17 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # what decides which BLAS kernels run (docs/roofline.md)
+
+
 def _machine(device: torch.device) -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
-    return {"device": str(device), "cpu": cpu, "cpu_count": os.cpu_count(), "llc_mib": _llc_mib(),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    """The device, and on a CPU its model name and the vector/matrix extensions it has: CPUs that
+    print the same name ran the same forward at different speeds."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return {"device": str(device), "cpu": cpu, "cpu_isa": [f for f in _ISA if f in flags], "cpu_count": os.cpu_count(),
+            "llc_mib": _llc_mib(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
 def run_roofline(cfg: RunConfig, out_dir: str | Path | None = None, target: Target | None = None) -> dict[str, Any]:
@@ -547,7 +555,8 @@ def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
     """The run as markdown: the machine's limits, t(m)/t(1) per setting, the context sweep, speedups."""
     rc, mc = cfg.roofline, result["machine"]
     lines = [f"target `{cfg.target.model}`, context {rc.context}, best of {rc.reps};"
-             f" {mc['cpu'] or mc['device']}, {mc['cpu_count']} cores, last-level cache {mc['llc_mib']} MiB", "",
+             f" {mc['cpu'] or mc['device']} ({', '.join(mc.get('cpu_isa') or []) or 'no AVX2'}), {mc['cpu_count']} cores,"
+             f" last-level cache {mc['llc_mib']} MiB", "",
              "| threads | STREAM copy GB/s | STREAM triad GB/s | array MiB |", "|---:|---:|---:|---:|"]
     lines += [f"| {b['threads']} | {b['copy_gb_s']:.1f} | {b['triad_gb_s']:.1f} | {b['array_mib']} |"
               for b in result["bandwidth"]]
