@@ -63,11 +63,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
     """Attention with a boolean mask (True = attend); each KV head serves a group of query heads.
     q [B, H, m, hd], k/v [B, Hkv, S, hd], allowed [B, m, S] → [B, H, m, hd].
 
-    The KV heads are repeated for their groups (as transformers' ``repeat_kv``) rather than passed
-    with ``enable_gqa``: the forward is the same to the bit on CPU, but the backward then sums each
-    group's key and value gradients in one fixed order, the one the block drafters were trained with."""
+    Where gradients are recorded the KV heads are repeated for their groups (as transformers'
+    ``repeat_kv``): the backward then sums each group's key and value gradients in one fixed order,
+    the one the block drafters were trained with. Drafting passes them with ``enable_gqa`` instead,
+    the same forward to the bit on a CPU without a copy of the draft's cache per step (which at 4k
+    tokens of context cost more than the draft layer itself)."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    if groups > 1 and torch.is_grad_enabled():
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=k.shape[1] < q.shape[1])

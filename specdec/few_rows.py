@@ -14,9 +14,9 @@ where ``W @ xᵀ`` is at least :data:`MARGIN` faster; :func:`pin` fixes the choi
 or a user who measured). One row is padded with a zero row to two (a GEMV may run on one thread).
 
 :func:`install` gives every float32 ``nn.Linear`` of a model a forward that takes this path for
-the row counts :func:`few_rows` names (the target's own forward enters it) and behaves as
-``F.linear`` otherwise, so the same model called elsewhere (transformers' ``generate``, a training
-step) is unchanged.
+the row counts :func:`few_rows` names (the target's own forward enters it, and installs it only
+once some row count was chosen) and behaves as ``F.linear`` otherwise, so the same model called
+elsewhere (transformers' ``generate``, a training step) is unchanged.
 """
 
 from __future__ import annotations

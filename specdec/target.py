@@ -16,7 +16,8 @@ general tree path, for comparisons): a chain builds no ancestor matrix, and a ch
 store (no holes: a prefill of equal-length prompts, plain decoding) passes no mask at all, so
 transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask),
 and on a CPU the linear layers over a few rows (a verified block, a small batch) take
-:mod:`specdec.few_rows`'s other product where it measured faster on this machine.
+:mod:`specdec.few_rows`'s other product where it measured faster on this machine, and a masked
+block's attention reads grouped KV heads without repeating them (:mod:`specdec.gqa_attention`).
 ``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
 CPU threads from the machine unless the user already chose.
 """
@@ -37,7 +38,9 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdec import gqa_attention
 from specdec.few_rows import FEW_ROWS, few_rows, install, rows_for
+from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
 from specdec.types import Requirements, chain_parents, padded_ids
@@ -144,8 +147,9 @@ class Target:
         backend = compile if isinstance(compile, str) else "inductor"
         self._decode = torch.compile(self.decoder, dynamic=True, backend=backend) if compile else self.decoder
         self._compiled = bool(compile)
+        self._few_rows_installed = False
         if not compile:  # a compiled decoder picks its own kernels
-            install(model)  # inert outside few_rows(): the model stays as it was for any other caller
+            gqa_attention.install()  # inert outside grouped(): the model stays as it was for any other caller
 
     # --- what the target hands out -------------------------------------------------------
     @property
@@ -367,8 +371,12 @@ class Target:
         else:
             plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
-        few = self.fast and not self._compiled and self.device.type == "cpu" and B * m <= FEW_ROWS
-        with few_rows(rows_for(self.model)) if few else nullcontext():
+        eager = self.fast and not self._compiled
+        few = rows_for(self.model) if eager and self.device.type == "cpu" and B * m <= FEW_ROWS else frozenset()
+        if few and not self._few_rows_installed:  # only once the other product measured faster somewhere:
+            install(self.model)  # until then the layers keep their own forward; inert outside few_rows()
+            self._few_rows_installed = True
+        with few_rows(few) if few else nullcontext(), grouped() if eager else nullcontext():
             out = self._decode(
                 input_ids=tokens.to(self.device),
                 attention_mask=plan.attention_mask,

@@ -27,3 +27,21 @@ def test_draft_layers_take_the_rope_of_the_layer_they_imitate(family_target, nam
     x, pos = torch.zeros(1), torch.arange(0, 400, 9).unsqueeze(0)
     for got, want in zip(model.rope(x, pos), t.rotary(x, pos, last.layer_type)):  # [1, m, head size] each
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_drafting_attention_reads_grouped_heads_with_the_training_values(groups):
+    """``attend`` without gradients (drafting: ``enable_gqa``, no copy of the cache) gives the bits
+    that the repeated heads give where gradients are recorded (training)."""
+    from specdec.drafters.layers import attend
+
+    g = torch.Generator().manual_seed(groups)
+    q = torch.randn(2, 2 * groups, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, 8, generator=g)
+    allowed = torch.rand(2, 5, 40, generator=g) < 0.7
+    allowed[..., 0] = True
+    with torch.enable_grad():
+        trained = attend(q.requires_grad_(), k, v, allowed)
+    with torch.inference_mode():
+        drafted = attend(q, k, v, allowed)
+    assert torch.equal(drafted, trained.detach())

@@ -158,3 +158,23 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
         want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=DynamicCache()).logits[:, 4:]
     assert "mm" not in calls.names
     torch.testing.assert_close(logits, want.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_target_whose_machine_chose_nothing_leaves_its_layers_alone():
+    """Where ``W @ xᵀ`` measured faster for no row count, the layers keep their own forward (no
+    wrapper to pay for); once some row count takes it, the wrapper is installed, once."""
+    from specdec.target import Target
+    from specdec.testing.tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=48, seed=3)
+    target = Target(model)
+    pin(model, [])
+    session = target.new_session(1)
+    target.prefill(session, [[1, 2, 3]])
+    target.forward(session, torch.tensor([[4, 5]]))
+    target.commit(session)
+    assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
+    pin(model, [2])
+    target.forward(session, torch.tensor([[6, 7]]))
+    wrapped = [m.__dict__.get("forward") for m in model.modules() if type(m) is nn.Linear]
+    assert all(isinstance(f, fr._FewRowForward) for f in wrapped)
