@@ -44,7 +44,12 @@ def test_a_verified_block_reads_grouped_heads_with_transformers_values(parents, 
     if parents is None:  # transformers over the same tokens, its own causal attention
         with torch.inference_mode():
             want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=DynamicCache()).logits[:, 5:]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the general path: transformers' attention, which repeats the heads
+        general = Target(model, fast=False)
+        other = general.new_session(1)
+        general.prefill(other, [[1, 2, 3, 4, 5]])
+        want = general.forward(other, block, torch.tensor([parents])).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_outside_the_block_or_where_it_does_not_apply_it_is_transformers_own():
