@@ -96,9 +96,10 @@ def measure(model: nn.Module, max_rows: int = FEW_ROWS, reps: int = 2) -> dict[i
     then ``W @ xᵀ``, best of ``reps`` (the two interleaved), at the current number of threads."""
     layers = _cpu_float32_weights(model)
     widths = {m.in_features for m in layers}
+    gen = torch.Generator().manual_seed(0)  # its own: measuring never moves the caller's random stream
     out: dict[int, tuple[float, float]] = {}
     for rows in range(1, max_rows + 1):
-        xs = {d: torch.randn(rows, d) for d in widths}
+        xs = {d: torch.randn(rows, d, generator=gen) for d in widths}
         best = [float("inf"), float("inf")]
         for _ in range(reps):
             for i, fn in enumerate((lambda x, m: F.linear(x, m.weight, m.bias), lambda x, m: _product(x, m.weight, m.bias))):

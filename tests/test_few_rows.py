@@ -96,8 +96,13 @@ def test_rows_are_chosen_by_measurement_once_per_thread_count(monkeypatch, threa
     assert rows_for(model) == {3} and calls == [1, 2]
 
 
-def test_measure_times_both_products_for_every_row_count():
-    times = fr.measure(_model(), max_rows=3, reps=1)
+def test_measure_times_both_products_for_every_row_count_and_leaves_the_random_stream_alone():
+    model = _model()
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    times = fr.measure(model, max_rows=3, reps=1)
+    assert torch.equal(torch.rand(3), want)
     assert sorted(times) == [1, 2, 3] and all(a > 0 and b > 0 for a, b in times.values())
 
 
