@@ -9,8 +9,8 @@ rounding differs.
 
 So the choice is measured, not assumed: :func:`rows_for` times one pass over the model's own
 float32 linear layers both ways for each row count up to :data:`FEW_ROWS` (at the current number
-of threads, once per model and thread count: 1–2 seconds for SmolLM2 on one thread) and keeps the row counts
-where ``W @ xᵀ`` is at least :data:`MARGIN` faster; :func:`pin` fixes the choice instead (tests,
+of threads, once per model and thread count: 1–2 seconds for SmolLM2 on one thread) and keeps the
+row counts where ``W @ xᵀ`` is at least :data:`MARGIN` faster; :func:`pin` fixes the choice instead (tests,
 or a user who measured). One row is padded with a zero row to two (a GEMV may run on one thread).
 
 :func:`install` gives every float32 ``nn.Linear`` of a model a forward that takes this path for
@@ -38,7 +38,7 @@ FEW_ROWS = 5
 
 MARGIN = 0.1
 """``W @ xᵀ`` is taken for a row count only when a pass takes at most ``1 - MARGIN`` of
-``F.linear``'s: timing noise must not flip the choice (and with it the rounding) between runs."""
+``F.linear``'s, so that timing noise rarely flips the choice (and with it the rounding) between runs."""
 
 _ROWS: ContextVar[frozenset[int]] = ContextVar("specdec_few_rows", default=frozenset())
 _CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[int, frozenset[int]]] = weakref.WeakKeyDictionary()
@@ -102,10 +102,10 @@ def measure(model: nn.Module, max_rows: int = FEW_ROWS, reps: int = 2) -> dict[i
         xs = {d: torch.randn(rows, d, generator=gen) for d in widths}
         best = [float("inf"), float("inf")]
         for _ in range(reps):
-            for i, fn in enumerate((lambda x, m: F.linear(x, m.weight, m.bias), lambda x, m: _product(x, m.weight, m.bias))):
+            for i, product in enumerate((F.linear, _product)):
                 t0 = time.perf_counter()
                 for m in layers:
-                    fn(xs[m.in_features], m)
+                    product(xs[m.in_features], m.weight, m.bias)
                 best[i] = min(best[i], time.perf_counter() - t0)
         out[rows] = (best[0], best[1])
     return out
