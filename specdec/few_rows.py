@@ -11,7 +11,8 @@ So the choice is measured, not assumed: :func:`rows_for` times one pass over the
 float32 linear layers both ways for each row count up to :data:`FEW_ROWS` (at the current number
 of threads, once per model and thread count: 1–2 seconds for SmolLM2 on one thread) and keeps the
 row counts where ``W @ xᵀ`` is at least :data:`MARGIN` faster; :func:`pin` fixes the choice
-instead (tests, or a user who measured). One row is padded with a zero row to two (a GEMV may run on one thread).
+instead (tests, or a user who measured). One row is padded with a zero row to two (a GEMV may run
+on one thread).
 
 :func:`install` gives every float32 ``nn.Linear`` of a model a forward that takes this path for
 the row counts :func:`few_rows` names (the target's own forward enters it, and installs it only

@@ -5,7 +5,7 @@ the context, or a tree's). Given a mask on a CPU, transformers' SDPA attention r
 value head to the number of query heads (``repeat_kv``) before calling SDPA: for SmolLM2-135M
 (9 query heads over 3 KV heads) at 4k tokens of context that copies 0.57 GB per forward, more
 than the weights it reads. ``F.scaled_dot_product_attention(..., enable_gqa=True)`` computes the
-same values from the unrepeated heads (0.99 against 2.66 ms per layer there; docs/roofline.md).
+same values from the unrepeated heads (a 5-token forward there: 176 → 143 ms; docs/roofline.md).
 
 :func:`install` wraps the ``"sdpa"`` entry of transformers' attention registry (its public
 ``AttentionInterface``) once per process: inside :func:`grouped` (the target's own forward enters

@@ -7,11 +7,12 @@ compute but never change a logit. A store fed committed tokens only (a drafter's
 commits every real slot and never rolls back.
 
 **Memory.** Every layer's keys and values live in buffers ``[B, H, capacity, D]`` (K and V may
-differ in ``H`` and ``D``, as MLA latents do) preallocated: a run that knows its longest row :meth:`~KVStore.reserve`-s exactly
-that many slots before its prefill; past the reservation the buffers grow in blocks of
-:attr:`KVStore.block` slots, and so do the per-slot ``valid`` / ``slot_pos``: a step writes into the
-buffers, and only crossing a block boundary reallocates. Everything handed out is a view over the used slots; the
-slots past them are never read, so they are left uninitialised.
+differ in ``H`` and ``D``, as MLA latents do) preallocated: a run that knows its longest row
+:meth:`~KVStore.reserve`-s exactly that many slots before its prefill; past the reservation the
+buffers grow in blocks of :attr:`KVStore.block` slots, and so do the per-slot ``valid`` /
+``slot_pos``: a step writes into the buffers, and only crossing a block boundary reallocates.
+Everything handed out is a view over the used slots; the slots past them are never read, so they
+are left uninitialised.
 
 Every method that changes the store runs in inference mode: its buffers are inference tensors,
 updated in place between steps as well as inside the forwards that fill them.
