@@ -23,7 +23,7 @@ from torch import Tensor
 from specdec.types import DraftProposal
 from specdec.validate import as_float, as_int
 
-__all__ = ["SamplingParams", "RowSampling", "warp", "sample_from"]
+__all__ = ["SamplingParams", "RowSampling", "argmax", "warp", "sample_from"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def argmax(x: Tensor) -> Tensor:
+    """``x.argmax(-1)``: the first index of the maximum on ties, as both document. On a CPU
+    ``max(dim)`` is vectorised and ``argmax`` is not, a 3x difference over a 49k vocabulary
+    that every verification step reads."""
+    return x.max(-1).indices
+
+
 def warp(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, *, all_greedy: bool | None = None,
          use_top_k: bool | None = None, use_top_p: bool | None = None) -> Tensor:
     """Probabilities after temperature, top-k and top-p, per row.
@@ -60,7 +67,7 @@ def warp(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, *, a
     B, V = logits.shape[0], logits.shape[-1]
     view = (B,) + (1,) * (logits.dim() - 1)
     greedy = (temperature == 0).view(view)
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     if bool(greedy.all()) if all_greedy is None else all_greedy:
         return one_hot
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).view(view).float()
@@ -243,6 +250,6 @@ class RowSampling:
         block drafted at once) and the q they were drawn from: samples of the warped distribution,
         or the argmaxes with q None (deterministic) when ``greedy``. Returns ([B, ...], q | None)."""
         if greedy:
-            return logits.argmax(-1), None
+            return argmax(logits), None
         q = self.probs(logits)
         return sample_from(q, self.draft_uniform(*q.shape[1:-1])), q

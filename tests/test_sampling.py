@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
+from specdec.sampling import RowSampling, SamplingParams, argmax, sample_from, warp
 
 logits_st = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=2, max_size=40)
 
@@ -112,3 +112,14 @@ def test_a_seeded_rows_numbers_depend_on_its_seed_and_step_only():
         assert n3[2].tolist() == [1.0] * 13
     later, _ = alone.verify_noise(DraftProposal.chain(torch.zeros(1, 3, dtype=torch.long)), 13)
     assert not torch.equal(later, u1)  # a new step, new numbers
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.integers(-2, 2), min_size=1, max_size=300), rows=st.integers(1, 3))
+def test_argmax_takes_the_first_index_on_ties(values, rows):
+    """The verifiers' argmax (torch's max(dim)) against Tensor.argmax, on rows full of ties."""
+    x = torch.tensor(values, dtype=torch.float32).roll(1).expand(rows, -1).clone()
+    x[-1] = x[-1].flip(0)
+    assert torch.equal(argmax(x), x.argmax(-1))
+    first = [next(i for i, v in enumerate(r) if v == max(r)) for r in x.tolist()]
+    assert argmax(x).tolist() == first

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specdec.sampling import RowSampling, SamplingParams
+from specdec.kernels import argmax_walk, rejection_sample_reference
+from specdec.sampling import RowSampling, SamplingParams, warp
 from specdec.testing import chi_square
 from specdec.types import DraftProposal
 from specdec.verifiers import VERIFIERS, GreedyVerifier, RejectionVerifier, TypicalVerifier
@@ -142,3 +145,47 @@ def test_typical_acceptance_walks_the_tree_by_its_threshold():
     v = TypicalVerifier().verify(proposal, logits, RowSampling([SamplingParams(temperature=1.0, seed=0)]))
     assert v.path[0].tolist() == [2, 3, -1, -1] and v.num_accepted.tolist() == [2]
     assert v.tokens[0, :2].tolist() == [2, 3] and 0 <= int(v.tokens[0, 2]) < V
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 4), n=st.integers(0, 7), V=st.integers(2, 6),
+       dense=st.booleans())
+def test_the_argmax_walk_is_the_rejection_walk_at_temperature_zero(seed, B, n, V, dense):
+    """The greedy shortcut against the specification: random trees, ties in the logits (integer
+    values over a small vocabulary), drafts that often match, padding, any u and any q."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-2, 3, (B, n + 1, V), generator=g).float()
+    parents = torch.stack([torch.tensor([int(torch.randint(-1, j, (), generator=g)) for j in range(n)],
+                                        dtype=torch.long) for _ in range(B)]) if n else torch.zeros(B, 0, dtype=torch.long)
+    tokens = torch.randint(0, V, (B, n), generator=g)
+    num_valid = torch.randint(0, n + 1, (B,), generator=g)
+    u = torch.rand(B, n, generator=g)
+    q = torch.rand(B, n, V, generator=g).softmax(-1) if dense else None
+    walk = argmax_walk(tokens, parents, num_valid, logits)
+    zero = torch.zeros(B)
+    for spec in (rejection_sample_reference(tokens, parents, num_valid, u, None, q, logits=logits, temperature=zero),
+                 rejection_sample_reference(tokens, parents, num_valid, u, torch.ones(B, V), q,
+                                            probs=warp(logits, zero, zero.long(), torch.ones(B)))):
+        assert torch.equal(walk.tokens, spec.tokens), (walk.tokens, spec.tokens)
+        assert torch.equal(walk.path, spec.path) and torch.equal(walk.num_accepted, spec.num_accepted)
+
+
+def test_an_all_greedy_batch_reads_no_probabilities_and_draws_nothing(monkeypatch):
+    """The rejection verifier hands an all-greedy batch to the argmax walk: warp() and the noise
+    are never made, and the result is the greedy verifier's."""
+    import specdec.sampling as sampling
+
+    def refuse(*a, **k):
+        raise AssertionError("an all-greedy batch warped or drew noise")
+
+    monkeypatch.setattr(sampling, "warp", refuse)
+    monkeypatch.setattr(RowSampling, "verify_noise", refuse)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 9, generator=g)
+    miss = (logits[1, 1].argmax() + 1) % 9  # row 1: its second draft is not the target's
+    tokens = torch.stack([logits[0, :3].argmax(-1), torch.stack([logits[1, 0].argmax(), miss, miss])])
+    proposal = DraftProposal(tokens, torch.tensor([[-1, 0, 1]] * 2), None)
+    rows = RowSampling([SamplingParams()] * 2)
+    got = RejectionVerifier().verify(proposal, logits, rows)
+    want = GreedyVerifier().verify(proposal, logits, rows)
+    assert torch.equal(got.tokens, want.tokens) and got.num_accepted.tolist() == [3, 1]

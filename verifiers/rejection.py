@@ -13,11 +13,14 @@ target's probabilities come from :func:`specdec.sampling.warp`, exact for every 
 setting. ``in_kernel_temperature=True`` hands the kernel raw logits and temperatures instead
 when no row uses top-k or top-p, so the probabilities are never written to memory; it is the
 same distribution, but its normaliser is summed in the kernel's order, so it is not bit-for-bit
-the warped path, and which path a step takes depends on every row's settings.
+the warped path, and which path a step takes depends on every row's settings. A batch whose rows
+are all greedy takes the logits path at temperature 0 (no probabilities, no noise): argmax
+matching, identical to the warped one-hot by construction.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from specdec.kernels.rejection import rejection_sample
@@ -36,6 +39,11 @@ class RejectionVerifier(Verifier):
         self.in_kernel_temperature = in_kernel_temperature
 
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
+        if rows.all_greedy:  # temperature 0 everywhere: the walk is argmax matching, q and uniforms play no part
+            B, n = proposal.tokens.shape
+            zero = torch.zeros(B, dtype=torch.float32, device=logits.device)
+            return rejection_sample(proposal.tokens, proposal.parents, proposal.num_valid, zero.new_zeros(B, n), None,
+                                    None, logits=logits, temperature=zero)
         u, noise = rows.verify_noise(proposal, logits.shape[-1])
         args = (proposal.tokens, proposal.parents, proposal.num_valid, u, noise, proposal.q)
         if self.in_kernel_temperature and not (rows.uses_top_k or rows.uses_top_p):

@@ -11,10 +11,10 @@ from specdec.kernels.dispatch import backend_for, platform, triton_available, us
 from specdec.kernels.markov import markov_chain, markov_sample, markov_sample_reference
 from specdec.kernels.norm_concat_linear import (fused_norm_concat_linear, norm_concat_linear,
                                                 norm_concat_linear_reference, rms_norm_params)
-from specdec.kernels.rejection import rejection_sample, rejection_sample_reference
+from specdec.kernels.rejection import argmax_walk, rejection_sample, rejection_sample_reference
 
 __all__ = ["backend_for", "platform", "triton_available", "use_backend",
-           "rejection_sample", "rejection_sample_reference",
+           "rejection_sample", "rejection_sample_reference", "argmax_walk",
            "fused_norm_concat_linear", "norm_concat_linear", "norm_concat_linear_reference", "rms_norm_params",
            "markov_chain", "markov_sample", "markov_sample_reference",
            "gather_slots", "gather_slots_reference"]

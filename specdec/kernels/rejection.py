@@ -48,10 +48,11 @@ import torch
 from torch import Tensor
 
 from specdec.kernels.dispatch import backend_for
+from specdec.sampling import argmax
 from specdec.types import Verification
 
-__all__ = ["rejection_sample", "rejection_sample_reference", "race", "tree_walk", "Walk", "AcceptRule",
-           "rejection_accept"]
+__all__ = ["rejection_sample", "rejection_sample_reference", "argmax_walk", "race", "tree_walk", "Walk",
+           "AcceptRule", "rejection_accept"]
 
 # accept(r [B, V] unnormalised target distribution, mass [B] its sum, x [B] draft tokens,
 #        qx [B] = q_j(x), u [B] uniforms) → bool [B]
@@ -67,7 +68,7 @@ def race(r: Tensor, noise: Tensor | None) -> Tensor:
     """``argmax_i r_i / E_i`` over ``r_i > 0`` (first index on ties); ``noise None`` = argmax r.
     r, noise [B, V] → int64 [B]. An all-zero row gives 0, still a valid token id."""
     score = r if noise is None else r / noise
-    return torch.where(r > 0, score, torch.full_like(score, -1.0)).argmax(-1)
+    return argmax(torch.where(r > 0, score, torch.full_like(score, -1.0)))
 
 
 def _base(probs: Tensor | None, logits: Tensor | None, temperature: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -81,12 +82,12 @@ def _base(probs: Tensor | None, logits: Tensor | None, temperature: Tensor | Non
     ones = torch.ones(logits.shape[:2], dtype=torch.float32, device=logits.device)
     if not bool((t > 0).any()):  # all greedy (the greedy verifier): no exponentials to take
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
-            -1, logits.float().argmax(-1, keepdim=True), 1.0), ones
+            -1, argmax(logits.float()).unsqueeze(-1), 1.0), ones
     s = logits.float() / torch.where(t > 0, t, torch.ones_like(t))
     r = torch.exp(s - s.max(-1, keepdim=True).values)
     mass = r.sum(-1)
     greedy = (t == 0)
-    one_hot = torch.zeros_like(r).scatter_(-1, s.argmax(-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(r).scatter_(-1, argmax(s).unsqueeze(-1), 1.0)
     return torch.where(greedy, one_hot, r), torch.where(greedy.view(-1, 1), torch.ones_like(mass), mass)
 
 
@@ -182,12 +183,42 @@ def rejection_sample_reference(tokens: Tensor, parents: Tensor, num_valid: Tenso
     return w.verification(final)
 
 
+def argmax_walk(tokens: Tensor, parents: Tensor, num_valid: Tensor, logits: Tensor) -> Verification:
+    """The walk when every row is greedy, on token ids alone: a node is accepted iff it is its
+    parent's argmax, and the emitted token is the argmax where the walk ends (first index on ties).
+
+    What :func:`rejection_sample_reference` returns for temperature-0 logits, whatever ``u`` and
+    ``q``: the one-hot ``p`` accepts ``x`` iff ``p(x) = 1``, and every residual keeps the argmax.
+    It reads the vocabulary once (the argmax of each position) instead of once per node and per
+    operation, which on a CPU is most of a greedy step's verification.
+    tokens, parents [B, n]; num_valid [B]; logits [B, n+1, V] (position 0 the root)."""
+    B, n = tokens.shape
+    dev = logits.device
+    best = argmax(logits)  # [B, n+1] the target's token after each position
+    x = tokens.clamp(0, logits.shape[-1] - 1)
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)
+    path = torch.full((B, n), -1, dtype=torch.long, device=dev)
+    acc = torch.zeros(B, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
+    for j in range(n):
+        ok = (parents[:, j] == cur) & (j < num_valid) & (x[:, j] == best.gather(1, (cur + 1).unsqueeze(1)).squeeze(1))
+        path[rows, acc] = torch.where(ok, j, path[rows, acc])
+        acc = acc + ok.long()
+        cur = torch.where(ok, j, cur)
+    out = torch.full((B, n + 1), -1, dtype=torch.long, device=dev)
+    if n:
+        out[:, :n] = torch.where(path >= 0, x.gather(1, path.clamp(min=0)), -1)
+    out[rows, acc] = best.gather(1, (cur + 1).unsqueeze(1)).squeeze(1)
+    return Verification(path=path, num_accepted=acc, tokens=out)
+
+
 def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tensor, noise: Tensor | None,
                      q: Tensor | None = None, *, probs: Tensor | None = None, logits: Tensor | None = None,
                      temperature: Tensor | None = None) -> Verification:
     """Verify one step: give ``probs`` (warped, any sampling setting) or ``logits`` and
     ``temperature`` (no top-k / top-p), ``[B, n+1, V]`` with position 0 the root. Dispatches to
-    the Triton kernel on a GPU, else to :func:`rejection_sample_reference`."""
+    the Triton kernel on a GPU, else to :func:`rejection_sample_reference`, or to
+    :func:`argmax_walk` when every row is temperature-0 logits."""
     if (probs is None) == (logits is None):
         raise ValueError("give exactly one of probs and logits")
     if logits is not None and temperature is None:
@@ -200,6 +231,8 @@ def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tens
     if q is not None and q.shape != (B, n, src.shape[-1]):
         raise ValueError(f"q shape {tuple(q.shape)} != {(B, n, src.shape[-1])}")
     if backend_for(src) == "torch":
+        if logits is not None and temperature is not None and not bool((temperature > 0).any()):
+            return argmax_walk(tokens, parents, num_valid, logits)  # the same walk, without the vocabulary passes
         return rejection_sample_reference(tokens, parents, num_valid, u, noise, q, probs=probs, logits=logits,
                                           temperature=temperature)
     from specdec.kernels.rejection_triton import rejection_sample_triton
