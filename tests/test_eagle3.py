@@ -91,6 +91,27 @@ def test_q_is_exact_over_the_full_vocabulary(target, sampling):
     torch.testing.assert_close(p.q[0, 0], rows.probs(d.model.full_logits(state.root))[0])
 
 
+def test_a_greedy_draft_is_the_draft_vocabularys_best_and_the_sampled_one_scatters(target):
+    """Greedy drafting ranks the draft vocabulary alone and maps the winners to target ids: the
+    same tokens as ranking the full-vocabulary logits (−inf outside)."""
+    d = Eagle3Drafter.tiny(target)
+    state = d.start(*_prefill(target, d, PROMPTS[0]))
+    draft, full = d.model.draft_logits(state.root), d.model.full_logits(state.root)
+    assert draft.shape == (1, d.model.spec.draft_vocab_size)
+    assert torch.equal(full[:, d.model.draft_ids], draft)
+    p = d.propose(state, 1, RowSampling([SamplingParams()]))
+    assert p.q is None and int(p.tokens[0, 0]) == int(full[0].argmax())
+
+
+def test_a_bf16_draft_keeps_its_weights_and_cache_in_bf16_for_an_fp32_target(target):
+    d = Eagle3Drafter.tiny(target, dtype="bfloat16")
+    assert target.dtype == torch.float32 and d.model.fc.weight.dtype == torch.bfloat16
+    state = d.start(*_prefill(target, d, PROMPTS[0]))
+    assert state.root.dtype == torch.bfloat16 and state.cache.layer(0)[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Eagle3Config(dtype="int8")
+
+
 def _prefill(target, drafter, prompt, anchor=None):
     """A drafter's start() inputs for one prompt followed by ``anchor`` (default: the target's argmax)."""
     from specdec.types import Committed

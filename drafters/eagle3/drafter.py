@@ -43,13 +43,14 @@ from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, attend, draft
 from specdec.drafters.eagle3.tree import (DEFAULT_STATIC_TREE, MAX_TREE_DEPTH, StaticTree, chain_tree, parse_tree,
                                           rerank)
 from specdec.kv import KVStore
-from specdec.sampling import RowSampling
+from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3State", "TREES", "DEFAULT_STATIC_TREE"]
 
 TREES = ("chain", "static", "dynamic")
+DTYPES = ("", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,11 @@ class Eagle3Config:
     tree_top_k: int = 4  # dynamic: children per expanded node, nodes expanded per depth (EAGLE-2: 10)
     tree_budget: int = 16  # dynamic: draft nodes kept after reranking (EAGLE-2: 59, + the root = 60)
     greedy_draft: bool = False  # argmax drafts (q None) even when sampling
+    dtype: str = ""  # the draft's weights and cache: "" the target's; "bfloat16" halves the bytes a draft step reads
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES} ('' = the target's), got {self.dtype!r}")
         if self.tree not in TREES:
             raise ValueError(f"tree must be one of {TREES}, got {self.tree!r}")
         if self.tree_top_k < 1:
@@ -161,7 +165,7 @@ class Eagle3Drafter(Drafter):
             if not 0 <= i <= target.num_layers:
                 raise ValueError(f"eagle3 layer id {i} outside [0, {target.num_layers}] for this target")
         self.model.check_vocab_map()
-        self.model.to(device=target.device, dtype=target.dtype)
+        self.model.to(device=target.device, dtype=getattr(torch, self.config.dtype) if self.config.dtype else target.dtype)
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------
@@ -264,14 +268,17 @@ class Eagle3Drafter(Drafter):
         dev = state.root.device
         tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
         q = None if greedy else torch.zeros(B, n, V, device=dev)
-        logits = {-1: self.model.full_logits(state.root)}  # node → draft logits [B, V] of its children
+        # node → logits of its children: over the draft vocabulary when greedy (ranked, then mapped to
+        # target ids), over the target's when sampling (q is a distribution over it)
+        scores = self.model.draft_logits if greedy else self.model.full_logits
+        logits = {-1: scores(state.root)}
         fwd: dict[int, int] = {}  # node → forwarded index
         buf = _Tree()
         for depth in range(1, tree.depth + 1):
             nodes = tree.nodes_at(depth)
             for parent in dict.fromkeys(tree.parents[i] for i in nodes):
                 kids = [i for i in nodes if tree.parents[i] == parent]
-                self._draw_children(logits[parent], kids, tokens, q, rows)
+                self._draw_children(logits[parent], kids, tokens, q, rows, self.model.draft_ids)
             expand = [i for i in nodes if tree.children(i)]
             if expand:
                 par = torch.tensor([fwd.get(tree.parents[i], -1) for i in expand], device=dev).expand(B, -1)
@@ -279,15 +286,18 @@ class Eagle3Drafter(Drafter):
                 y = self._forward(state, buf, tokens[:, expand], par, depth)
                 for j, i in enumerate(expand):
                     fwd[i] = base + j
-                    logits[i] = self.model.full_logits(y[:, j])
+                    logits[i] = scores(y[:, j])
         parents = torch.tensor(tree.parents, dtype=torch.long, device=dev).expand(B, n).clone()
         return DraftProposal(tokens, parents, q)
 
     @staticmethod
-    def _draw_children(logits: Tensor, kids: list[int], tokens: Tensor, q: Tensor | None, rows: RowSampling) -> None:
-        """Fill ``tokens`` (and ``q``) for sibling nodes ``kids`` in draw order."""
+    def _draw_children(logits: Tensor, kids: list[int], tokens: Tensor, q: Tensor | None, rows: RowSampling,
+                       draft_ids: Tensor) -> None:
+        """Fill ``tokens`` (and ``q``) for sibling nodes ``kids`` in draw order; ``logits`` are
+        over the draft vocabulary when ``q`` is None (greedy), over the target's otherwise."""
         if q is None:
-            tokens[:, kids] = logits.topk(len(kids), dim=-1).indices
+            top = argmax(logits).unsqueeze(-1) if len(kids) == 1 else logits.topk(len(kids), dim=-1).indices
+            tokens[:, kids] = draft_ids[top]
             return
         base = rows.probs(logits)  # [B, V] warped like the target
         used = torch.zeros_like(base, dtype=torch.bool)
@@ -304,21 +314,23 @@ class Eagle3Drafter(Drafter):
     def _dynamic(self, state: Eagle3State, k: int, K: int, budget: int) -> DraftProposal:
         """EAGLE-2: expand the K best nodes per depth with their K best children, then rerank."""
         B, dev = state.root.shape[0], state.root.device
+        K = min(K, self.model.spec.draft_vocab_size)  # a node has no more children than draft tokens
         buf = _Tree()
-        logp = self.model.full_logits(state.root).log_softmax(-1)  # [B, V]
+        ids = self.model.draft_ids  # ranked over the draft vocabulary, kept as target ids
+        logp = self.model.draft_logits(state.root).log_softmax(-1)  # [B, Vd]
         top = logp.topk(K, dim=-1)
-        toks, scores = [top.indices], [top.values]
+        toks, scores = [ids[top.indices]], [top.values]
         depths, parents = [torch.ones(B, K, dtype=torch.long, device=dev)], [torch.full((B, K), -1, device=dev)]
         frontier = torch.arange(K, device=dev).expand(B, K)  # candidate index of each frontier node
         front_fwd = torch.full((B, K), -1, device=dev)  # their parents' forwarded indices
-        front_tok, front_score, C = top.indices, top.values, K
+        front_tok, front_score, C = toks[0], top.values, K
         for d in range(2, k + 1):
             base = buf.n
             y = self._forward(state, buf, front_tok, front_fwd, d - 1)
-            lp = self.model.full_logits(y).log_softmax(-1)  # [B, K, V]
+            lp = self.model.draft_logits(y).log_softmax(-1)  # [B, K, Vd]
             child = lp.topk(K, dim=-1)
             cand_score = (front_score.unsqueeze(-1) + child.values).flatten(1)  # [B, K*K]
-            cand_tok = child.indices.flatten(1)
+            cand_tok = ids[child.indices.flatten(1)]
             cand_parent = frontier.unsqueeze(-1).expand(B, K, K).flatten(1)
             toks.append(cand_tok)
             scores.append(cand_score)

@@ -220,9 +220,14 @@ class Eagle3Model(nn.Module):
     def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.rotary(x, positions)
 
+    def draft_logits(self, y: Tensor) -> Tensor:
+        """Pre-norm output y [..., d] → float32 logits over the draft vocabulary [..., Vd] (draft
+        ids; :attr:`draft_ids` maps them to target ids). What greedy drafting ranks."""
+        return self.lm_head(self.norm(y)).float()
+
     def full_logits(self, y: Tensor) -> Tensor:
         """Pre-norm output y [..., d] → float32 logits over the target vocabulary [..., V], −inf
-        outside the draft vocabulary."""
-        draft = self.lm_head(self.norm(y)).float()
+        outside the draft vocabulary. What sampled drafting warps (q is over the target's vocabulary)."""
+        draft = self.draft_logits(y)
         out = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.draft_ids, draft)
