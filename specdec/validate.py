@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["as_int", "as_float", "as_token_ids", "as_prompt_batch"]
+__all__ = ["as_int", "as_float", "as_token_ids", "as_prompt_batch", "as_float_dtype", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")  # what a drafter may run in, by name
 
 
 def _describe(value: Any) -> str:
@@ -53,6 +55,15 @@ def as_float(name: str, value: Any, minimum: float | None = None, maximum: float
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def as_float_dtype(name: str, value: Any) -> torch.dtype | None:
+    """A floating dtype by name (``FLOAT_DTYPES``), or None for ``""`` (the target's own)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a dtype name, one of {FLOAT_DTYPES} or '' (the target's), got {_describe(value)}")
+    if value and value not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of {FLOAT_DTYPES} or '' (the target's), got {value!r}")
+    return getattr(torch, value) if value else None
 
 
 def _array_ids(name: str, value: Any) -> list[Any] | None:

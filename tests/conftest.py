@@ -52,6 +52,9 @@ CASES.update({
     "eagle3[dynamic_tree]": lambda t: DRAFTERS["eagle3"].tiny(t, tree="dynamic", tree_top_k=3, tree_budget=10),
     "eagle3[eagle3.1]": lambda t: DRAFTERS["eagle3"].tiny(t, fc_norm=True, norm_output=True),  # EAGLE-3.1 flags on
     "eagle3[bf16_draft]": lambda t: DRAFTERS["eagle3"].tiny(t, dtype="bfloat16"),  # a bf16 draft for an fp32 target
+    "mtp[bf16_head]": lambda t: DRAFTERS["mtp"].tiny(t, head_dtype="bfloat16"),  # drafting through a bf16 copy of the head
+    "dflash[bf16_head]": lambda t: DRAFTERS["dflash"].tiny(t, head_dtype="bfloat16"),
+    "dspark[bf16_head]": lambda t: DRAFTERS["dspark"].tiny(t, head_dtype="bfloat16"),
     "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
     "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
     "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),

@@ -82,3 +82,13 @@ def test_malformed_proposals_are_caught():
         DraftProposal(torch.tensor([[1, 2]]), torch.tensor([[-1, 1]])).validate(1, 32)
     with pytest.raises(ValueError, match="q shape"):
         DraftProposal.chain(torch.tensor([[1, 2]]), torch.ones(1, 2, 31)).validate(1, 32)
+
+
+@pytest.mark.parametrize("family,option", [("eagle3", "dtype"), ("mtp", "head_dtype"), ("dflash", "head_dtype"),
+                                           ("dspark", "head_dtype")])
+def test_a_drafters_dtype_is_a_float_dtype_name(target, family, option):
+    tiny = specdec.registry.DRAFTERS.get(family).tiny
+    with pytest.raises(ValueError, match=f"{option} must be one of .*'float32', 'bfloat16', 'float16'.*got 'int8'"):
+        tiny(target, **{option: "int8"})
+    with pytest.raises(TypeError, match=f"{option} must be a dtype name"):
+        tiny(target, **{option: torch.bfloat16})

@@ -253,3 +253,20 @@ def test_greedy_decoding_equals_transformers_with_fast_paths_on_and_off(fast, dr
                   eos_token_ids=set())
         for p, r in zip(prompts, res.requests):
             assert r.tokens == greedy_reference(model, p, 12)[0]
+
+
+def test_logits_in_another_dtype_read_a_copy_of_the_head_made_once():
+    """What drafters draft through: the head in bf16, float32 out, close to the target's own; the
+    copy is made once and again only when the weight changes."""
+    t = Target(tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3))
+    h = torch.randn(2, 3, t.hidden_size)
+    own, low = t.logits(h), t.logits(h, torch.bfloat16)
+    assert low.dtype == torch.float32 and low.shape == own.shape and not torch.equal(low, own)
+    torch.testing.assert_close(low, own, atol=0.05, rtol=0.05)
+    assert torch.equal(t.logits(h, torch.float32), own)  # the head's own dtype: no copy
+    copy = t._head_copy(torch.bfloat16)[0]
+    assert t._head_copy(torch.bfloat16)[0] is copy
+    with torch.no_grad():
+        t.lm_head.weight.mul_(2)
+    assert t._head_copy(torch.bfloat16)[0] is not copy
+    torch.testing.assert_close(t.logits(h, torch.bfloat16), 2 * low, atol=0.1, rtol=0.05)

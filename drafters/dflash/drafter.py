@@ -38,6 +38,7 @@ from specdec.kv import KVStore
 from specdec.sampling import RowSampling
 from specdec.target import Target, layer_output_ids
 from specdec.types import Committed, DraftProposal, Requirements
+from specdec.validate import as_float_dtype
 
 __all__ = ["BlockDrafter", "BlockState", "DFlashDrafter", "tiny_block_config"]
 
@@ -72,13 +73,16 @@ class BlockDrafter(Drafter):
     """What DFlash and DSpark share: binding, the context cache, one block forward."""
 
     model_class: ClassVar[type[BlockDraftModel]] = BlockDraftModel
-    options: ClassVar[tuple[str, ...]] = ("greedy_draft",)  # the constructor's keyword options
+    options: ClassVar[tuple[str, ...]] = ("greedy_draft", "head_dtype")  # the constructor's keyword options
     tiny_config: ClassVar[dict[str, Any]] = {}  # the family's defaults over tiny_block_config's
 
-    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False):
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = ""):
+        """``head_dtype``: the target's LM head as drafts read it ("" its own, "bfloat16" a bf16 copy:
+        the head is most of a draft step, and a block of k rows through it most of all)."""
         self.model = model.eval()
         self.cfg = model.cfg
         self.greedy_draft = greedy_draft
+        self.head_dtype = as_float_dtype("head_dtype", head_dtype)
         self.hidden_ids = layer_output_ids(self.cfg.target_layer_ids)
 
     # --- binding ------------------------------------------------------------------------------
@@ -212,14 +216,14 @@ class BlockDrafter(Drafter):
 class DFlashDrafter(BlockDrafter):
     name = "dflash"
 
-    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False):
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = ""):
         if model.cfg.anchor_predicts:
             raise ValueError(f"dflash needs a model whose anchor does not draft; {type(model).__name__}'s does"
                              " (anchor_predicts: a DSpark model); use the dspark drafter")
-        super().__init__(model, greedy_draft)
+        super().__init__(model, greedy_draft, head_dtype)
 
     @torch.inference_mode()
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
         hidden = self.block_hidden(state, k + 1)[:, 1:]  # position j drafts the token at P + j
-        logits = self.model.restrict(self.target.logits(hidden))  # [B, k, V]
+        logits = self.model.restrict(self.target.logits(hidden, self.head_dtype))  # [B, k, V]
         return DraftProposal.chain(*rows.draw(logits, self.greedy_draft or rows.all_greedy))

@@ -46,11 +46,11 @@ from specdec.kv import KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
+from specdec.validate import as_float_dtype
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3State", "TREES", "DEFAULT_STATIC_TREE"]
 
 TREES = ("chain", "static", "dynamic")
-DTYPES = ("", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,7 @@ class Eagle3Config:
     dtype: str = ""  # the draft's weights and cache: "" the target's; "bfloat16" halves the bytes a draft step reads
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES} ('' = the target's), got {self.dtype!r}")
+        as_float_dtype("dtype", self.dtype)
         if self.tree not in TREES:
             raise ValueError(f"tree must be one of {TREES}, got {self.tree!r}")
         if self.tree_top_k < 1:
@@ -165,7 +164,7 @@ class Eagle3Drafter(Drafter):
             if not 0 <= i <= target.num_layers:
                 raise ValueError(f"eagle3 layer id {i} outside [0, {target.num_layers}] for this target")
         self.model.check_vocab_map()
-        self.model.to(device=target.device, dtype=getattr(torch, self.config.dtype) if self.config.dtype else target.dtype)
+        self.model.to(device=target.device, dtype=as_float_dtype("dtype", self.config.dtype) or target.dtype)
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------

@@ -49,9 +49,10 @@ from torch import Tensor, nn
 from specdec.drafter import Drafter
 from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.kv import KVStore
-from specdec.sampling import RowSampling
+from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
+from specdec.validate import as_float_dtype
 
 __all__ = ["MTPConfig", "MTPModule", "MTPDrafter", "MTPState", "build_mtp_modules",
            "module_for_step", "POLICIES"]
@@ -66,8 +67,10 @@ class MTPConfig:
     tree_top_k: int = 1  # 1 = chain; K > 1 = K distinct first tokens, a greedy chain under each
     greedy_draft: bool = False  # argmax drafts (q = None) even when sampling
     chain_hidden: str = "normed"  # feed the next depth h after shared_head.norm (transformers) or "residual" (vLLM)
+    head_dtype: str = ""  # the target's LM head as drafts read it: "" its own; "bfloat16" a bf16 copy (most of a step)
 
     def __post_init__(self) -> None:
+        as_float_dtype("head_dtype", self.head_dtype)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.tree_top_k < 1:
@@ -227,6 +230,7 @@ class MTPDrafter(Drafter):
         elif len(state.streams) != k:
             raise ValueError(f"k changed from {len(state.streams)} to {k} within one generation")
         greedy = self.config.greedy_draft or K > 1
+        head_dtype = as_float_dtype("head_dtype", self.config.head_dtype)
         drafts: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]  # [B][K][j]
         tokens, qs = [], []
         tent: list[list[Tensor]] | None = None  # previous stream's tentative outputs [B][K] -> [n_t, D]
@@ -242,12 +246,12 @@ class MTPDrafter(Drafter):
                 for b in range(B):
                     nxt.hidden_in[b] = torch.cat([nxt.hidden_in[b], committed[b]])
             tent = out
-            logits = self.target.logits(last)  # [B, K, V] float32
+            logits = self.target.logits(last, head_dtype)  # [B, K, V] float32
             if j == 0 and K > 1:
                 first = logits[:, 0].topk(K, dim=-1).indices  # [B, K] distinct, most likely first
                 tokens.append(first)
             elif greedy:
-                tokens.append(logits.argmax(-1))
+                tokens.append(argmax(logits))
             else:
                 x, q = rows.draw(logits[:, 0])
                 qs.append(q)
