@@ -414,3 +414,10 @@ def test_bad_input_errors(target, deep_target, tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="pickled"):
         load_eagle3(tmp_path)
+
+
+def test_a_chain_is_proposed_as_a_chain(target):
+    """tree=chain proposals say so, so the target verifies them on its chain fast path."""
+    p = first_proposal(target, Eagle3Drafter.tiny(target), PROMPTS[0], k=3)
+    assert p.is_chain and p.parents[0].tolist() == [-1, 0, 1]
+    assert not first_proposal(target, Eagle3Drafter.tiny(target, tree="static"), PROMPTS[0], k=3).is_chain

@@ -286,6 +286,8 @@ class Eagle3Drafter(Drafter):
                 for j, i in enumerate(expand):
                     fwd[i] = base + j
                     logits[i] = scores(y[:, j])
+        if self.static is None:  # a chain: the target takes its chain path (no ancestor matrix, no 4-D mask)
+            return DraftProposal.chain(tokens, q)
         parents = torch.tensor(tree.parents, dtype=torch.long, device=dev).expand(B, n).clone()
         return DraftProposal(tokens, parents, q)
 
