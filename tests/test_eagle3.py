@@ -6,6 +6,7 @@ input (the committed SmolLM2 checkpoint: tests/test_checkpoints.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from specdec.drafters.eagle3.train import ttt_loss
 from specdec.types import node_depths
 from specdec.verifiers import GreedyVerifier, RejectionVerifier
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12, 3]]
 
 
@@ -421,3 +423,19 @@ def test_a_chain_is_proposed_as_a_chain(target):
     p = first_proposal(target, Eagle3Drafter.tiny(target), PROMPTS[0], k=3)
     assert p.is_chain and p.parents[0].tolist() == [-1, 0, 1]
     assert not first_proposal(target, Eagle3Drafter.tiny(target, tree="static"), PROMPTS[0], k=3).is_chain
+
+
+def test_the_chain_estimate_is_what_decoding_accepts_and_never_above_the_per_position_one(deep_target):
+    """experiments/eagle3_chain_estimate.py on a tiny head: the training-time test's chain figure is
+    at most its per-position one and falls with depth; both are shares of the same anchors."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chain_estimate", ROOT / "experiments" / "eagle3_chain_estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    d = Eagle3Drafter.tiny(deep_target, layer_ids=default_layer_ids(8), init_scale=0.05)
+    out = module.estimates(deep_target, d, [[1, 2, 3, 4, 5], [6, 7, 8]], max_new_tokens=24, k=3)
+    per, chain, dec = out["per_position"], out["chain"], out["decoded"]
+    assert len(per) == len(chain) == len(dec) == 3
+    assert chain[0] == per[0] and all(c <= p for c, p in zip(chain, per))
+    assert all(a >= b for a, b in zip(chain, chain[1:])) and all(a >= b for a, b in zip(dec, dec[1:]))
