@@ -406,7 +406,9 @@ class Target:
             logits = self.lm_head(hidden)
         else:
             weight, bias = self._head_copy(dtype)
-            logits = F.linear(hidden.to(dtype), weight, bias)
+            # as rows: a [B, 1, D] slice keeps its parent's strides, on which a bf16 product runs ~20x slower
+            flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+            logits = F.linear(flat, weight, bias).view(*hidden.shape[:-1], weight.shape[0])
         cap = getattr(self.text_config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
