@@ -439,3 +439,28 @@ def test_the_chain_estimate_is_what_decoding_accepts_and_never_above_the_per_pos
     assert len(per) == len(chain) == len(dec) == 3
     assert chain[0] == per[0] and all(c <= p for c, p in zip(chain, per))
     assert all(a >= b for a, b in zip(chain, chain[1:])) and all(a >= b for a, b in zip(dec, dec[1:]))
+
+
+def test_the_chain_count_is_the_anchors_whose_every_step_so_far_matched(deep_target):
+    """TTTResult.chain[s]: anchors whose steps 0..s all match, recomputed here from the step
+    logits; at most the per-step count, falling with depth. The labels are made to be step 0's own
+    drafts (a crafted final hidden state), so step 0 always matches and later steps sometimes do."""
+    d = Eagle3Drafter.tiny(deep_target, layer_ids=default_layer_ids(8), draft_vocab_size=deep_target.vocab_size)
+    seq = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
+    with torch.no_grad():
+        out = deep_target.model(seq[None], output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i][0] for i in d.model.spec.layer_ids], -1)
+    V, T = deep_target.vocab_size, seq.numel()
+    head = torch.eye(V)  # labels: the argmax of each final row
+    anchors = torch.arange(0, T - 4)
+    probe = ttt_loss(d.model, deep_target.embed_tokens, head, d.model.t2d,
+                     FeatureSeq(seq, 0, feats, torch.zeros(T, V)), torch.arange(0, T - 2), steps=1)
+    final = torch.zeros(T, V)
+    final[torch.arange(1, T - 1), probe.logits[0].argmax(-1)] = 1.0  # the label at p: step 0's draft at anchor p-1
+    r = ttt_loss(d.model, deep_target.embed_tokens, head, d.model.t2d, FeatureSeq(seq, 0, feats, final), anchors,
+                 steps=3)
+    labels = [final[anchors + s + 1].argmax(-1) for s in range(3)]
+    match = torch.stack([r.logits[s].argmax(-1) == labels[s] for s in range(3)], 1)
+    assert r.chain[0] == r.correct[0] == anchors.numel()
+    assert r.chain == match.long().cumprod(1).sum(0).tolist()
+    assert all(c <= k for c, k in zip(r.chain, r.correct)) and r.chain[1] < r.chain[0]

@@ -68,6 +68,7 @@ class TTTResult:
     loss: Tensor
     correct: list[int]  # per step: draft argmax == target argmax, over counted positions
     counted: list[int]  # per step: positions in the loss
+    chain: list[int]  # per step s: anchors counted at step 0 whose steps 0..s all match (what decoding accepts)
     logits: list[Tensor]  # per step: draft logits over the draft vocabulary [A, Vd]
 
 
@@ -91,7 +92,8 @@ def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, 
     q, res = q0[:, :, anchors], res0[:, anchors]
     keys, values, diag = [k0], [v0], []
     total = g0.new_zeros(())
-    correct, counted, all_logits = [], [], []
+    correct, counted, chain, all_logits = [], [], [], []
+    alive = None  # [A] anchors whose every step so far matched
     y = None
     for s in range(steps):
         if s > 0:
@@ -119,10 +121,13 @@ def ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, 
         n = int(valid.sum())
         if n:
             total = total + decay ** s * (ce * valid).sum() / n
-        correct.append(int(((logits.argmax(-1) == z.argmax(-1)) & valid).sum()))
+        match = (logits.argmax(-1) == z.argmax(-1)) & valid
+        correct.append(int(match.sum()))
         counted.append(n)
+        alive = match if alive is None else alive & match
+        chain.append(int(alive.sum()))
         all_logits.append(logits)
-    return TTTResult(total, correct, counted, all_logits)
+    return TTTResult(total, correct, counted, chain, all_logits)
 
 
 @dataclass
@@ -173,6 +178,7 @@ class Eagle3Recipe(Recipe):
         n_anchors = o.anchors if model.training else o.eval_anchors
         B = batch.tokens.shape[0]
         total, correct, counted = torch.zeros((), device=batch.tokens.device), [0] * o.ttt_steps, [0] * o.ttt_steps
+        chain = [0] * o.ttt_steps
         for b in range(B):
             seq = batch.feature_seq(b)
             r = ttt_loss(model, lambda ids: self.target.embed(ids).float(), self.head, model.t2d, seq,
@@ -180,7 +186,12 @@ class Eagle3Recipe(Recipe):
             total = total + r.loss / B
             correct = [a + c for a, c in zip(correct, r.correct)]
             counted = [a + c for a, c in zip(counted, r.counted)]
-        return StepOutput(total, {"accept": [c / max(1, n) for c, n in zip(correct, counted)]})
+            chain = [a + c for a, c in zip(chain, r.chain)]
+        # accept: each step on its own, given the true tokens before it; chain: the first s+1 steps all
+        # right, per anchor counted at step 0 (close to what decoding accepts at depth s+1; the other
+        # counts deep steps decoding never reaches: experiments/eagle3_chain_estimate.py)
+        return StepOutput(total, {"accept": [c / max(1, n) for c, n in zip(correct, counted)],
+                                  "chain": [c / max(1, counted[0]) for c in chain]})
 
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, Eagle3Model)
