@@ -15,7 +15,7 @@ from specdec.sampling import RowSampling
 from specdec.types import DraftProposal, Verification
 from specdec.verifier import Verifier
 
-__all__ = ["GreedyVerifier"]
+__all__ = ["GreedyVerifier", "greedy_walk"]
 
 
 class GreedyVerifier(Verifier):
@@ -27,8 +27,14 @@ class GreedyVerifier(Verifier):
             raise ValueError("the greedy verifier is lossless only at temperature 0; use 'rejection' for sampling")
 
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
-        B = logits.shape[0]
-        u = torch.zeros(B, proposal.n, dtype=torch.float32, device=logits.device)
-        zero = torch.zeros(B, dtype=torch.float32, device=logits.device)
-        return rejection_sample(proposal.tokens, proposal.parents, proposal.num_valid, u, None, None,
-                                logits=logits, temperature=zero)
+        return greedy_walk(proposal, logits)
+
+
+def greedy_walk(proposal: DraftProposal, logits: Tensor) -> Verification:
+    """The walk at temperature 0 on the raw logits: no uniforms, no noise, no q (the rejection
+    verifier takes it too when every row is greedy)."""
+    B = logits.shape[0]
+    u = torch.zeros(B, proposal.n, dtype=torch.float32, device=logits.device)
+    zero = torch.zeros(B, dtype=torch.float32, device=logits.device)
+    return rejection_sample(proposal.tokens, proposal.parents, proposal.num_valid, u, None, None,
+                            logits=logits, temperature=zero)

@@ -20,13 +20,13 @@ matching, identical to the warped one-hot by construction.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from specdec.kernels.rejection import rejection_sample
 from specdec.sampling import RowSampling
 from specdec.types import DraftProposal, Verification
 from specdec.verifier import Verifier
+from specdec.verifiers.greedy import greedy_walk
 
 __all__ = ["RejectionVerifier"]
 
@@ -40,10 +40,7 @@ class RejectionVerifier(Verifier):
 
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
         if rows.all_greedy:  # temperature 0 everywhere: the walk is argmax matching, q and uniforms play no part
-            B, n = proposal.tokens.shape
-            zero = torch.zeros(B, dtype=torch.float32, device=logits.device)
-            return rejection_sample(proposal.tokens, proposal.parents, proposal.num_valid, zero.new_zeros(B, n), None,
-                                    None, logits=logits, temperature=zero)
+            return greedy_walk(proposal, logits)
         u, noise = rows.verify_noise(proposal, logits.shape[-1])
         args = (proposal.tokens, proposal.parents, proposal.num_valid, u, noise, proposal.q)
         if self.in_kernel_temperature and not (rows.uses_top_k or rows.uses_top_p):

@@ -153,6 +153,7 @@ class MTPDrafter(Drafter):
             raise ValueError("MTP needs at least one module")
         self.modules = modules.eval()
         self.config = config
+        self.head_dtype = as_float_dtype("head_dtype", config.head_dtype)
         self.depth = len(modules)
 
     # --- construction -------------------------------------------------------------------------
@@ -230,7 +231,6 @@ class MTPDrafter(Drafter):
         elif len(state.streams) != k:
             raise ValueError(f"k changed from {len(state.streams)} to {k} within one generation")
         greedy = self.config.greedy_draft or K > 1
-        head_dtype = as_float_dtype("head_dtype", self.config.head_dtype)
         drafts: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]  # [B][K][j]
         tokens, qs = [], []
         tent: list[list[Tensor]] | None = None  # previous stream's tentative outputs [B][K] -> [n_t, D]
@@ -246,7 +246,7 @@ class MTPDrafter(Drafter):
                 for b in range(B):
                     nxt.hidden_in[b] = torch.cat([nxt.hidden_in[b], committed[b]])
             tent = out
-            logits = self.target.logits(last, head_dtype)  # [B, K, V] float32
+            logits = self.target.logits(last, self.head_dtype)  # [B, K, V] float32
             if j == 0 and K > 1:
                 first = logits[:, 0].topk(K, dim=-1).indices  # [B, K] distinct, most likely first
                 tokens.append(first)

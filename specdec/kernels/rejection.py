@@ -111,12 +111,18 @@ class Walk:
 
     def verification(self, final: Tensor) -> Verification:
         """The accepted drafts followed by the emitted token ``final`` [B]."""
-        B, n = self.tokens.shape
-        out = torch.full((B, n + 1), -1, dtype=torch.long, device=self.tokens.device)
-        if n:
-            out[:, :n] = torch.where(self.path >= 0, self.tokens.gather(1, self.path.clamp(min=0)), -1)
-        out[torch.arange(B, device=out.device), self.num_accepted] = final
-        return Verification(path=self.path, num_accepted=self.num_accepted, tokens=out)
+        return _verification(self.tokens, self.path, self.num_accepted, final)
+
+
+def _verification(tokens: Tensor, path: Tensor, num_accepted: Tensor, final: Tensor) -> Verification:
+    """tokens [B, n] (clamped), path [B, n] accepted node indices then -1, num_accepted [B] and the
+    emitted token final [B] → the accepted drafts followed by ``final``, -1 after."""
+    B, n = tokens.shape
+    out = torch.full((B, n + 1), -1, dtype=torch.long, device=tokens.device)
+    if n:
+        out[:, :n] = torch.where(path >= 0, tokens.gather(1, path.clamp(min=0)), -1)
+    out[torch.arange(B, device=out.device), num_accepted] = final
+    return Verification(path=path, num_accepted=num_accepted, tokens=out)
 
 
 def tree_walk(tokens: Tensor, parents: Tensor, num_valid: Tensor, rbase: Tensor, mbase: Tensor, u: Tensor,
@@ -205,11 +211,7 @@ def argmax_walk(tokens: Tensor, parents: Tensor, num_valid: Tensor, logits: Tens
         path[rows, acc] = torch.where(ok, j, path[rows, acc])
         acc = acc + ok.long()
         cur = torch.where(ok, j, cur)
-    out = torch.full((B, n + 1), -1, dtype=torch.long, device=dev)
-    if n:
-        out[:, :n] = torch.where(path >= 0, x.gather(1, path.clamp(min=0)), -1)
-    out[rows, acc] = best.gather(1, (cur + 1).unsqueeze(1)).squeeze(1)
-    return Verification(path=path, num_accepted=acc, tokens=out)
+    return _verification(x, path, acc, best.gather(1, (cur + 1).unsqueeze(1)).squeeze(1))
 
 
 def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tensor, noise: Tensor | None,
