@@ -275,6 +275,14 @@ class KVStore:
         self._slot_pos[:, :keep_cols] = self.slot_pos.gather(1, order)
         self.num_slots = keep_cols
 
+    def refresh_dense(self) -> bool:
+        """Mark the store :attr:`dense` again when every used slot is valid (each row holds
+        :attr:`num_slots` tokens, e.g. after :meth:`compact` of rows of equal length): slot index
+        is then position, so chains drop their mask again. One device read; returns :attr:`dense`."""
+        if not self.dense and self.batch and int(self.lengths.min()) == self.num_slots:
+            self.dense = True
+        return self.dense
+
     @torch.inference_mode()
     def select_rows(self, rows: Tensor) -> None:
         """Keep only the given batch rows (retire finished requests). Rows in increasing order (the

@@ -68,9 +68,10 @@ def test_dry_run_writes_every_file(tmp_path):
     assert env["gpu"] == "cpu dry run" and env["torch"] and env["transformers"]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["dry_run"] and res["skipped"] == [] and res["errors"] == {}
-    assert set(res["section_s"]) == {"kernels", "forward", "planted", "mtp", "train"}
+    assert set(res["section_s"]) == {"kernels", "target", "forward", "planted", "mtp", "train"}
     kr = res["kernels"]
     assert kr["path"] == "cpu interpreter (TRITON_INTERPRET=1)" and kr["copy_bandwidth_GBps"] > 0
+    assert kr["errors"] == []  # a failing case would be listed here, the other rows kept
     kernels = {r["kernel"] for r in kr["rows"]}
     assert kernels == {"rejection chain", "rejection tree", "rejection chain greedy", "draft input", "markov sampler",
                        "kv gather"}
@@ -90,6 +91,7 @@ def test_dry_run_writes_every_file(tmp_path):
     assert train["label"].startswith("training throughput only") and train["recipe"].endswith("Eagle3Recipe")
     assert [p["steps"] for p in train["parts"]] == [2, 2] and train["steps"] == 4  # stopped, then resumed
     assert train["tokens_per_s"] > 0 and train["tokens"] == sum(p["tokens"] for p in train["parts"])
+    assert all(p["what"].startswith("the training loop alone") for p in train["parts"])  # as the trainer records each part
     md = (tmp_path / "results.md").read_text()
     assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md
     if res["figures"]:  # matplotlib present

@@ -201,6 +201,28 @@ def test_markov_kernel_matches_reference(temperature):
         assert torch.equal(q_ker.gather(2, ker.unsqueeze(2)) > 0, torch.ones(B, G, 1, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("arch", ["cuda", "gfx942"])
+def test_markov_configs_keep_the_bias_tile_small(arch):
+    """The Markov sampler's autotune configs: narrow blocks, pruned per rank to a [BLOCK, next_pow2(R)]
+    tile of at most 16K elements (the narrowest when none fits), the AMD knobs kept on ROCm."""
+    from specdec.kernels.tuning import MARKOV_TILE, fits_markov_tile, markov_configs
+
+    configs = markov_configs(arch)
+    assert {c.kwargs["BLOCK"] for c in configs} <= {128, 256, 512}
+    assert all(("waves_per_eu" in c.kwargs) == arch.startswith("gfx") for c in configs)
+    assert fits_markov_tile(configs, {"R": 5}) == configs  # rank 5 → 8 columns: every block fits
+    at_64 = fits_markov_tile(configs, {"R": 64})
+    assert at_64 and all(c.kwargs["BLOCK"] * 64 <= MARKOV_TILE for c in at_64)
+    assert [c.kwargs["BLOCK"] for c in fits_markov_tile(configs, {"R": 1000})] == [128]
+
+
+def test_norm_concat_linear_tunes_per_bucket_of_rows():
+    """The GEMM's autotune key stands for M by a bounded set of powers of two."""
+    from specdec.kernels.norm_concat_linear_triton import m_bucket
+
+    assert [m_bucket(m) for m in (1, 2, 3, 5, 8, 9, 200, 256, 257, 5000)] == [1, 2, 4, 8, 8, 16, 256, 256, 256, 256]
+
+
 # --- KV compaction -----------------------------------------------------------------------------
 def test_gather_slots_kernel_equals_reference():
     x = torch.randn(2, 3, 11, 12)[..., :10]  # a strided view, as cache layers can be

@@ -220,6 +220,25 @@ def test_maybe_compact_is_the_one_policy(monkeypatch):
     assert ragged.num_slots == 10  # compaction would free nothing
 
 
+def test_refresh_dense_after_compacting_rows_of_equal_length():
+    """A rejected block compacted away leaves every row full again: dense, so a chain has no mask
+    (the GPU kit's repeated forwards over one context); a ragged store stays masked."""
+    store, gen = KVStore(2, "cpu", torch.float32, num_layers=2), torch.Generator().manual_seed(5)
+    step(store, None, chain_parents(4, 2), None, gen)
+    assert store.dense and store.refresh_dense()
+    step(store, None, chain_parents(3, 2), torch.zeros(2, 3, dtype=torch.bool), gen)
+    assert not store.dense and not store.refresh_dense()  # holes: still masked
+    store.compact()
+    assert store.num_slots == 4 and store.refresh_dense()
+    plan = store.plan(length=2, implicit_causal=True)
+    assert plan.attention_mask is None and plan.position_ids.tolist() == [[4, 5], [4, 5]]
+    store.write(0, torch.zeros(2, H, 2, D), torch.zeros(2, H, 2, D))
+    store.write(1, torch.zeros(2, H, 2, 2), torch.zeros(2, H, 2, 3))
+    store.commit(torch.tensor([[1, 1], [1, 0]]).bool())
+    store.compact()
+    assert store.lengths.tolist() == [6, 5] and not store.refresh_dense()  # rows of unequal length
+
+
 def test_the_target_writes_into_its_store_in_place():
     """A transformers model runs on the store: every layer's update lands in the preallocated
     buffers, and a whole step reallocates nothing while the block has room."""

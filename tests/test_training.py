@@ -213,6 +213,8 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_target, tmp_p
     assert timeless(ra.log) == timeless(rb.log) and [e["step"] for e in ra.log if "held_out" in e] == [2, 4, 5]
     assert all(e["seconds"] >= 0 and e["response_tokens"] <= e["tokens"] for e in ra.log if "held_out" in e)
     assert len(rb.parts) == 2 and rb.parts[0]["steps"] == [0, 2] and rb.parts[1]["steps"] == [2, 5]
+    # each part's loop time and, inside it, its held-out evaluations' (steps 2 and 4, 5): both evaluated
+    assert all(0 < p["eval_seconds"] < p["loop_seconds"] for p in rb.parts) and resumed.part == rb.parts[-1]
     with pytest.raises(ValueError, match="other settings"):
         train(tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**{**optim, "lr": 1e-3}), resume=True),
               target=tiny_target)

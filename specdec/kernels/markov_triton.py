@@ -14,7 +14,7 @@ from torch import Tensor
 
 from specdec.kernels.dispatch import interpreting
 from specdec.kernels.rejection_triton import _online_softmax
-from specdec.kernels.tuning import row_configs
+from specdec.kernels.tuning import fits_markov_tile, markov_configs
 
 __all__ = ["markov_sample_triton"]
 
@@ -104,7 +104,8 @@ def markov_sample_triton(U: Tensor, x0: Tensor, W1: Tensor, W2: Tensor, temperat
     else:
         global _tuned
         if _tuned is None:
-            _tuned = triton.autotune(configs=row_configs(), key=["V", "R", "WRITE_Q"])(_markov_kernel)
+            _tuned = triton.autotune(configs=markov_configs(), key=["V", "R", "WRITE_Q"],
+                                     prune_configs_by={"early_config_prune": fits_markov_tile})(_markov_kernel)
         _tuned[(B,)](*args, **meta)
     return tokens, (q if write_q else None)
 

@@ -5,6 +5,9 @@ Output tile ``[BLOCK_M, BLOCK_N]`` accumulates ``Σ_i norm(x_i)[:, k] @ W[:, off
 each input's columns in turn, so the concatenation is implicit in the weight's column offset.
 Each input's reciprocal RMS ``[M]`` (float32) is computed first by torch: a reduction that is
 ``M·D`` reads, against the ``N·ΣD`` reads of the weight that dominate at decode.
+
+The autotuner keys on ``M_BUCKET = min(next_pow2(M), 256)``, not on ``M``: M (draft tokens) changes
+every decoding step, and keying on it re-tuned (~0.5 s) inside timed runs for each new value.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _accumulate(acc, x_ptr, rstd_ptr, nw_ptr, w_ptr, offs_m, offs_n, M, N, D, co
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_BUCKET"])  # only the autotuner reads it: no compile per value
 def _norm_concat_linear_kernel(
     x0_ptr, x1_ptr, x2_ptr,  # [M, D_i]
     r0_ptr, r1_ptr, r2_ptr,  # [M] float32 reciprocal RMS
@@ -57,6 +60,7 @@ def _norm_concat_linear_kernel(
     bias_ptr,  # [N]
     out_ptr,  # [M, N]
     M, N, D0, D1, D2, stride_w,
+    M_BUCKET,  # the autotune key standing for M; unused in the body
     NUM_INPUTS: tl.constexpr, NORM0: tl.constexpr, NORM1: tl.constexpr, NORM2: tl.constexpr,
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -78,6 +82,13 @@ def _norm_concat_linear_kernel(
 
 
 _tuned = None
+M_BUCKET_CAP = 256  # past it one tile shape serves every M
+
+
+def m_bucket(M: int) -> int:
+    """The autotune key for ``M`` rows: a power of two, at most :data:`M_BUCKET_CAP`, so the
+    number of tuning runs is bounded however M varies."""
+    return min(triton.next_power_of_2(max(M, 1)), M_BUCKET_CAP)
 
 
 def tuned_kernel():
@@ -102,7 +113,7 @@ def norm_concat_linear_triton(xs: Sequence[Tensor], norm_weights: Sequence[Tenso
     norms = [w is not None for w in norm_weights] + [False] * (3 - len(norm_weights))
     dims = [x.shape[-1] for x in xs] + [0] * (3 - len(xs))
     w = weight.contiguous()
-    args = (*flat, *rstd, *nws, w, bias if bias is not None else w, out, M, N, *dims, w.stride(0))
+    args = (*flat, *rstd, *nws, w, bias if bias is not None else w, out, M, N, *dims, w.stride(0), m_bucket(M))
     meta = dict(NUM_INPUTS=len(xs), NORM0=norms[0], NORM1=norms[1], NORM2=norms[2], HAS_BIAS=bias is not None,
                 IEEE=dtype == torch.float32 or interpreting())
     if interpreting():
@@ -111,7 +122,7 @@ def norm_concat_linear_triton(xs: Sequence[Tensor], norm_weights: Sequence[Tenso
         _norm_concat_linear_kernel[grid](*args, **meta, **tiles)
     else:
         if _tuned is None:
-            _tuned = triton.autotune(configs=gemm_configs(), key=["M", "N", "D0", "D1", "D2"])(
+            _tuned = triton.autotune(configs=gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2"])(
                 _norm_concat_linear_kernel)
         grid = lambda META: (triton.cdiv(M, META["BLOCK_M"]), triton.cdiv(N, META["BLOCK_N"]))  # noqa: E731
         _tuned[grid](*args, **meta)

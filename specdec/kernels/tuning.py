@@ -3,7 +3,10 @@
 Two kernel shapes live here. *Row kernels* (rejection sampler, Markov sampler, KV compaction)
 stream one row of the vocabulary or of the cache per program: only the block width and the
 number of warps matter, and a deep software pipeline buys nothing for a loop whose body is a
-reduction. The *GEMM* (the fused draft input) is a classic tiled matmul.
+reduction. The *GEMM* (the fused draft input) is a classic tiled matmul. The Markov sampler is a
+row kernel with a ``[BLOCK, R]`` tile (the low-rank bias), so it has its own, narrower blocks:
+with the row kernels' (1024–8192) at ``R = 64`` it spilled and took up to 90 s a config to compile
+for sm_90.
 
 AMD (ROCm's "Optimizing Triton kernels" guide, MI300X): a wavefront has 64 lanes, so
 ``num_warps=4`` is already 256 threads; ``num_stages=2`` turns on the stream pipeliner for loops
@@ -25,7 +28,7 @@ import triton
 
 from specdec.kernels.dispatch import platform
 
-__all__ = ["row_configs", "gemm_configs", "describe"]
+__all__ = ["row_configs", "markov_configs", "fits_markov_tile", "gemm_configs", "describe"]
 
 
 # The row kernels make decisions (accept, argmax) on float32 values the torch reference computes
@@ -43,6 +46,30 @@ def row_configs(arch: str | None = None) -> list[triton.Config]:
                 for b, w, e in ((1024, 4, 0), (2048, 8, 0), (4096, 8, 2), (8192, 16, 1))]
     return [triton.Config({"BLOCK": b, **_NO_FMA}, num_warps=w, num_stages=1)
             for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16))]
+
+
+# Elements of the Markov sampler's [BLOCK, R_POW2] float32 tile held in registers; past this the
+# compiler spills (and compiles for minutes).
+MARKOV_TILE = 16 * 1024
+
+
+def markov_configs(arch: str | None = None) -> list[triton.Config]:
+    """Block widths for the Markov sampler: 128–512, pruned per rank by :func:`fits_markov_tile`."""
+    arch = arch or platform()
+    if arch.startswith("gfx"):
+        return [triton.Config({"BLOCK": b, "waves_per_eu": e, **_NO_FMA}, num_warps=w, num_stages=1)
+                for b, w, e in ((128, 2, 0), (256, 4, 0), (512, 8, 0))]
+    return [triton.Config({"BLOCK": b, **_NO_FMA}, num_warps=w, num_stages=1)
+            for b, w in ((128, 4), (256, 4), (256, 8), (512, 8))]
+
+
+def fits_markov_tile(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """``early_config_prune`` for the Markov sampler: the configs whose ``[BLOCK, next_pow2(R)]``
+    tile fits :data:`MARKOV_TILE` (the narrowest when none does). Reads ``R``, a positional
+    argument, so it works whatever Triton passes in ``kwargs``."""
+    r_pow2 = triton.next_power_of_2(int(named_args["R"]))
+    fit = [c for c in configs if c.kwargs["BLOCK"] * r_pow2 <= MARKOV_TILE]
+    return fit or [min(configs, key=lambda c: c.kwargs["BLOCK"])]
 
 
 def gemm_configs(arch: str | None = None) -> list[triton.Config]:

@@ -109,6 +109,7 @@ class TrainResult:
     model: nn.Module
     record: TrainingRecord
     out: Path
+    part: dict[str, Any]  # this call's part: steps [first, stop], loop_seconds, eval_seconds (within the loop)
 
 
 @dataclass
@@ -313,7 +314,7 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
     share = o.batch // acc.num_processes
     mine = slice(acc.process_index * share, (acc.process_index + 1) * share)  # this process's slice of each batch
     bar = tqdm(range(first, stop), initial=first, total=stop, desc="train", disable=not show, mininterval=2)
-    t_loop, held = time.time(), {}
+    t_loop, held, eval_s = time.time(), {}, 0.0
     for step in bar:
         lr = lr_at(step, o.steps, o.lr, o.warmup, o.min_lr)
         for g in opt.param_groups:
@@ -344,7 +345,9 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
             if acc.is_main_process:
                 log.info("step %d: %s", progress.step, json.dumps(now))
         if progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0):
+            t_eval = time.time()
             held = evaluate(recipe, model, data, cfg, acc)
+            eval_s += time.time() - t_eval
             progress.log.append({"step": progress.step, "tokens": progress.tokens,
                                  "response_tokens": progress.response_tokens,
                                  "seconds": round(wall_before + time.time() - start, 1), "held_out": held})
@@ -356,7 +359,7 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
     if first == stop:  # resumed at the end: nothing left to train
         held = evaluate(recipe, model, data, cfg, acc)
     progress.parts.append({"command": command, "revision": git_sha(), "steps": [first, stop],
-                           "loop_seconds": round(time.time() - t_loop, 1)})
+                           "loop_seconds": round(time.time() - t_loop, 3), "eval_seconds": round(eval_s, 3)})
     if stop < o.steps:  # stopped early on purpose: keep what a resumed run needs
         save_state()
 
@@ -376,4 +379,4 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         record.write(out_dir)
         log.info("saved %s", out_dir)
     acc.wait_for_everyone()  # every process returns once the checkpoint is written
-    return TrainResult(model, record, out_dir)
+    return TrainResult(model, record, out_dir, progress.parts[-1])
