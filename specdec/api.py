@@ -24,19 +24,19 @@ __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "Generati
 
 def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.float32,
                 device_map: str | dict | None = None, threads: int | None = None, compile: bool | str = False,
-                fast: bool = True) -> Target:
+                fast: bool = True, pack: bool = True) -> Target:
     """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder.
 
     ``threads``: torch's CPU threads (default: :func:`specdec.target.set_threads` picks them from
-    the machine unless the user already chose); ``compile`` and ``fast``: see :class:`Target`.
+    the machine unless the user already chose); ``compile``, ``fast`` and ``pack``: see :class:`Target`.
     """
     set_threads(threads)
     if isinstance(model, torch.nn.Module):  # a loaded causal LM (a transformers PreTrainedModel)
-        return Target(model, tokenizer, fast=fast, compile=compile)
+        return Target(model, tokenizer, fast=fast, compile=compile, pack=pack)
     from specdec.models import load_model
 
     loaded, tok = load_model(model, dtype=dtype, device_map=device_map)
-    return Target(loaded, tokenizer or tok, fast=fast, compile=compile)
+    return Target(loaded, tokenizer or tok, fast=fast, compile=compile, pack=pack)
 
 
 def make_drafter(name: str, target: Target, **options: Any) -> Drafter:

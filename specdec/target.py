@@ -16,7 +16,8 @@ general tree path, for comparisons): a chain builds no ancestor matrix, and a ch
 store (no holes: a prefill of equal-length prompts, plain decoding) passes no mask at all, so
 transformers uses its own causal attention (SDPA's ``is_causal`` on a prefill: no ``L × L`` mask),
 and on a CPU the linear layers over a few rows (a verified block, a small batch) take
-:mod:`specdec.few_rows`'s other product where it measured faster on this machine, and a masked
+:mod:`specdec.few_rows`'s products (``W @ xᵀ``, oneDNN's packed weights) where they measured faster on
+this machine (``pack=False``: never the packed copy), and a masked
 block's attention reads grouped KV heads without repeating them (:mod:`specdec.gqa_attention`).
 ``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
 CPU threads from the machine unless the user already chose.
@@ -40,7 +41,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdec import gqa_attention
-from specdec.few_rows import FEW_ROWS, few_rows, install, rows_for
+from specdec.few_rows import ROW_COUNTS, Plan, few_rows, install, plan_for
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
@@ -123,12 +124,19 @@ class Target:
     ``torch.compile`` with dynamic shapes (block and cache lengths change every step); ``True``
     uses torch's default backend (inductor), a string names another (``"eager"`` checks the
     tracing alone). The KV store's writes stay eager (a graph break per layer): its buffers are
-    inference tensors, which a compiled graph may not mutate.
+    inference tensors, which a compiled graph may not mutate. ``pack``: on a CPU, let the fast path
+    measure (and, where faster, use) oneDNN's packed product for float32 linear layers over a few
+    rows, which holds a second copy of those weights (:mod:`specdec.few_rows`); ``False`` never
+    makes one.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False):
+    def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False,
+                 pack: bool = True):
+        if not isinstance(pack, bool):
+            raise TypeError(f"pack must be a bool, got {type(pack).__name__}")
         self.model = model.eval()
         self.fast = fast
+        self.pack = pack
         self.tokenizer = tokenizer
         self.config = model.config
         text_config = getattr(self.config, "get_text_config", lambda: self.config)()
@@ -374,10 +382,7 @@ class Target:
             plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
         eager = self.fast and not self._compiled
-        few = rows_for(self.model) if eager and self.device.type == "cpu" and B * m <= FEW_ROWS else frozenset()
-        if few and not self._few_rows_installed:  # only once the other product measured faster somewhere:
-            install(self.model)  # until then the layers keep their own forward; inert outside few_rows()
-            self._few_rows_installed = True
+        few = self._row_plan(B * m)
         with few_rows(few) if few else nullcontext(), grouped() if eager else nullcontext():
             out = self._decode(
                 input_ids=tokens.to(self.device),
@@ -395,6 +400,18 @@ class Target:
         self._captured = {}
         return TargetOutput(logits, hidden, final)
 
+    def _row_plan(self, rows: int) -> Plan:
+        """The few-row plan of this target's linear layers for a product over ``rows`` rows (empty
+        off the eager fast path, off the CPU, or past the row counts measured); installs the
+        layers' forward once some row count takes a product other than ``F.linear``."""
+        if not (self.fast and not self._compiled and self.device.type == "cpu" and rows <= ROW_COUNTS[-1]):
+            return {}
+        plan = plan_for(self.model, packed=self.pack)
+        if plan and not self._few_rows_installed:  # until then the layers keep their own forward
+            install(self.model)  # inert outside few_rows(): the model called any other way is unchanged
+            self._few_rows_installed = True
+        return plan
+
     def logits(self, hidden: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """LM head (with any final soft-capping the model applies) in float32.
 
@@ -403,7 +420,9 @@ class Target:
         49k-row head is most of their draft step, and bf16 halves its bytes (on a CPU with AMX, a
         4-row product is 3x faster). Verification always reads the target's own head."""
         if dtype is None or dtype == self.lm_head.weight.dtype:
-            logits = self.lm_head(hidden)
+            few = self._row_plan(hidden.numel() // hidden.shape[-1])  # a drafter's block of rows too
+            with few_rows(few) if few else nullcontext():
+                logits = self.lm_head(hidden)
         else:
             weight, bias = self._head_copy(dtype)
             # as rows: a [B, 1, D] slice keeps its parent's strides, on which a bf16 product runs ~20x slower

@@ -1,6 +1,6 @@
-"""The few-row product of linear layers (specdec.few_rows): the same values as ``F.linear`` up to
-rounding, taken only inside its block, for the row counts it names, of float32 on the CPU; which
-row counts is measured per model and thread count, or pinned."""
+"""The few-row products of linear layers (specdec.few_rows): the same values as ``F.linear`` up to
+rounding, taken only inside its block, for the row counts the plan names, of float32 on the CPU
+outside autograd; the plan is measured per model, thread count and packing choice, or pinned."""
 
 import pytest
 import torch
@@ -9,7 +9,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from specdec import few_rows as fr
-from specdec.few_rows import FEW_ROWS, MARGIN, few_rows, install, pin, rows_for
+from specdec.few_rows import MARGIN, MM_ROWS, ROW_COUNTS, choose, few_rows, install, packing_available, pin, plan_for
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed inner product")
 
 
 class _Calls(TorchFunctionMode):
@@ -22,51 +24,114 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """Records every layer product that went through the packed weights."""
+    calls: list[int] = []
+    real = fr._packed
+
+    def counting(flat, module):
+        calls.append(flat.shape[0])
+        return real(flat, module)
+
+    monkeypatch.setattr(fr, "_packed", counting)
+    return calls
+
+
 def _model(dtype=torch.float32, bias=True) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(24, 40, bias=bias), nn.GELU(), nn.Linear(40, 16, bias=bias)).to(dtype)
 
 
+@pytest.mark.parametrize("how", ["mm", pytest.param("packed", marks=needs_packing)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 5, 24), (2, 4, 24), (3, 3, 24), (9, 24)])
-def test_values_match_f_linear(shape, bias):
+def test_values_match_f_linear(shape, bias, how):
     model = _model(bias=bias)
     x = torch.randn(shape)
     with torch.no_grad():
         want = model(x)
         assert install(model) == 2
-        with few_rows(range(1, 10)):
+        with few_rows(dict.fromkeys(range(1, 10), how)):
             got = model(x)
     assert got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows, inside, product", [
-    (1, True, "mm"), (2, True, "mm"), (FEW_ROWS, True, "mm"), (3, True, "linear"), (FEW_ROWS + 1, True, "linear"),
+    (1, True, "mm"), (2, True, "mm"), (5, True, "mm"), (3, True, "linear"), (6, True, "linear"),
     (1, False, "linear"), (2, False, "linear"),
 ])
 def test_the_product_is_taken_only_inside_for_the_rows_it_names(rows, inside, product):
-    """Inside ``few_rows({1, 2, FEW_ROWS})`` only those row counts take ``W @ xᵀ`` (one row padded)."""
+    """Inside ``few_rows({1: mm, 2: mm, 5: mm})`` only those row counts take ``W @ xᵀ`` (one row padded)."""
     model = _model()
     install(model)
     calls = _Calls()
     x = torch.randn(rows, 24)
     with torch.no_grad():
         want = model(x)
-        with (few_rows({1, 2, FEW_ROWS}) if inside else torch.no_grad()), calls:
+        with (few_rows({1: "mm", 2: "mm", 5: "mm"}) if inside else torch.no_grad()), calls:
             got = model(x)
     products = [n for n in calls.names if n in ("linear", "mm")]
     assert products == [product, product]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_other_dtypes_fall_back():
+@needs_packing
+def test_packed_rows_read_the_packed_copy_and_others_do_not(packed_calls):
+    model = _model()
+    install(model)
+    with torch.no_grad(), few_rows({4: "packed", 2: "mm"}):
+        model(torch.randn(4, 24))
+        model(torch.randn(2, 24))
+        model(torch.randn(3, 24))
+    assert packed_calls == [4, 4] and fr.packed_bytes(model) == 4 * (24 * 40 + 40 * 16)
+
+
+@needs_packing
+def test_the_packed_copy_follows_the_weight():
+    """An in-place change of the weight (a training step) makes a new packed copy, not a stale product."""
+    model = _model()
+    install(model)
+    x = torch.randn(4, 24)
+    with torch.no_grad(), few_rows({4: "packed"}):
+        model(x)
+        model[0].weight.mul_(2.0)
+        got = model(x)
+        want = model[2](model[1](F.linear(x, model[0].weight, model[0].bias)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_and_autograd_fall_back():
     model = _model(torch.bfloat16)
     install(model)
     calls = _Calls()
-    with torch.no_grad(), few_rows({3}), calls:
+    with torch.no_grad(), few_rows({3: "mm"}), calls:
         model(torch.randn(3, 24, dtype=torch.bfloat16))
     assert [n for n in calls.names if n in ("linear", "mm")] == ["linear", "linear"]
+    model = _model()
+    install(model)
+    calls = _Calls()
+    with few_rows({3: "mm"}), calls:
+        model(torch.randn(3, 24)).sum().backward()  # a training step: the layers' own product, with its gradient
+    assert [n for n in calls.names if n in ("linear", "mm")][:2] == ["linear", "linear"]
+    assert model[0].weight.grad is not None
+
+
+def test_choose_takes_the_fastest_product_past_the_margin_and_fills_only_packed():
+    times = {
+        1: {"linear": 1.0, "mm": 2.0, "packed": 1.1},         # nothing wins
+        2: {"linear": 1.0, "mm": 0.5, "packed": 0.6},         # mm, the fastest
+        3: {"linear": 1.0, "mm": 1 - MARGIN / 2, "packed": 1.0},  # inside the margin: F.linear
+        4: {"linear": 1.0, "mm": 1.0, "packed": 1 - MARGIN},  # exactly at the margin: taken
+        5: {"linear": 1.0, "mm": 0.5, "packed": 0.9},         # mm, not extended to 6 and 7
+        8: {"linear": 1.0, "packed": 0.5},                    # packed, filled through 15
+        16: {"linear": 1.0, "packed": 0.95},
+        32: {"linear": 1.0, "packed": 0.5},                   # the last count fills nothing past it
+    }
+    assert dict(choose(times)) == {2: "mm", 4: "packed", 5: "mm", **dict.fromkeys(range(8, 16), "packed"),
+                                   32: "packed"}
+    assert dict(choose({})) == {}
 
 
 @pytest.fixture
@@ -76,40 +141,60 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_rows_are_chosen_by_measurement_once_per_thread_count(monkeypatch, threads):
-    """``W @ xᵀ`` only where it measured at least MARGIN faster; measured once per thread count."""
+def test_plans_are_measured_once_per_thread_count_and_packing_choice(monkeypatch, threads):
     calls = []
 
-    def fake(model):
-        calls.append(torch.get_num_threads())
-        mm_share = {1: 0.5, 2: 1 - MARGIN, 3: 1 - MARGIN / 2, 4: 2.0, 5: 0.8}
-        return {r: (1.0, share) for r, share in mm_share.items()}
+    def fake(model, packed=True):
+        calls.append((torch.get_num_threads(), packed))
+        return {1: {"linear": 1.0, "mm": 0.5}, 4: {"linear": 1.0, "packed": 0.5} if packed else {"linear": 1.0}}
 
     monkeypatch.setattr(fr, "measure", fake)
     model = _model()
     torch.set_num_threads(1)
-    assert rows_for(model) == {1, 2, 5} and rows_for(model) == {1, 2, 5} and calls == [1]
+    assert plan_for(model) == {1: "mm", 4: "packed"} and plan_for(model) is plan_for(model) and calls == [(1, True)]
+    assert plan_for(model, packed=False) == {1: "mm"} and calls == [(1, True), (1, False)]
     torch.set_num_threads(2)
-    assert rows_for(model) == {1, 2, 5} and calls == [1, 2]
-    assert rows_for(_model(torch.bfloat16)) == frozenset() and calls == [1, 2]  # nothing to measure
-    pin(model, [3])
-    assert rows_for(model) == {3} and calls == [1, 2]
+    assert plan_for(model) == {1: "mm", 4: "packed"} and len(calls) == 3
+    assert plan_for(_model(torch.bfloat16)) == {} and len(calls) == 3  # nothing to measure
+    pin(model, {3: "mm"})
+    assert plan_for(model) == {3: "mm"} and len(calls) == 3
 
 
-def test_measure_times_both_products_for_every_row_count_and_leaves_the_random_stream_alone():
+@needs_packing
+def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads):
+    real = fr.measure
+
+    def never_packed(model, packed=True):
+        times = real(model, row_counts=(1, 4), reps=1, packed=packed)
+        assert fr.packed_bytes(model) > 0  # measuring made the copies
+        return {r: {**t, "packed": 10 * t["linear"]} for r, t in times.items()}
+
+    monkeypatch.setattr(fr, "measure", never_packed)
+    model = _model()
+    assert "packed" not in plan_for(model).values() and fr.packed_bytes(model) == 0
+
+
+def test_measure_times_each_product_where_it_is_considered_and_leaves_the_random_stream_alone():
     model = _model()
     torch.manual_seed(7)
     want = torch.rand(3)
     torch.manual_seed(7)
-    times = fr.measure(model, max_rows=3, reps=1)
+    times = fr.measure(model, row_counts=(1, MM_ROWS, MM_ROWS + 3), reps=1, packed=packing_available())
     assert torch.equal(torch.rand(3), want)
-    assert sorted(times) == [1, 2, 3] and all(a > 0 and b > 0 for a, b in times.values())
+    packed = ["packed"] if packing_available() else []
+    assert {r: sorted(t) for r, t in times.items()} == {
+        1: sorted(["linear", "mm", *packed]), MM_ROWS: sorted(["linear", "mm", *packed]),
+        MM_ROWS + 3: sorted(["linear", *packed])}
+    assert all(s > 0 for t in times.values() for s in t.values())
+    assert set(fr.measure(model, row_counts=(2,), reps=1, packed=False)[2]) == {"linear", "mm"}
+    assert ROW_COUNTS == tuple(sorted(ROW_COUNTS)) and ROW_COUNTS[0] == 1
 
 
-def test_pin_refuses_bad_rows():
-    for bad in ([0], [1.5], ["2"]):
-        with pytest.raises(ValueError, match="positive integers"):
-            pin(_model(), bad)
+@pytest.mark.parametrize("bad, error", [({0: "mm"}, ValueError), ({1.5: "mm"}, ValueError), ({True: "mm"}, ValueError),
+                                        ({2: "linear"}, ValueError), ({2: "fast"}, ValueError), ([2], TypeError)])
+def test_pin_refuses_bad_plans(bad, error):
+    with pytest.raises(error):
+        pin(_model(), bad)
 
 
 def test_install_is_idempotent_and_keeps_subclasses_and_state():
@@ -129,7 +214,7 @@ def test_install_is_idempotent_and_keeps_subclasses_and_state():
 def test_the_block_ends_on_error():
     model = _model()
     install(model)
-    with pytest.raises(RuntimeError, match="inside"), few_rows({3}):
+    with pytest.raises(RuntimeError, match="inside"), few_rows({3: "mm"}):
         raise RuntimeError("inside")
     calls = _Calls()
     with torch.no_grad(), calls:
@@ -137,8 +222,9 @@ def test_the_block_ends_on_error():
     assert [n for n in calls.names if n in ("linear", "mm")] == ["linear", "linear"]
 
 
-@pytest.mark.parametrize("fast, rows", [(True, {3}), (True, {2}), (False, {3})], ids=["fast", "other-rows", "general"])
-def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
+@pytest.mark.parametrize("fast, plan", [(True, {3: "mm"}), (True, {2: "mm"}), (False, {3: "mm"})],
+                         ids=["fast", "other-rows", "general"])
+def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, plan):
     """A verified block of 3 tokens goes through ``W @ xᵀ`` in every linear layer (LM head
     included) with the fast paths on and 3 rows chosen for this model, and through ``F.linear``
     otherwise, or outside the target's forward (the same model called directly)."""
@@ -149,7 +235,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
 
     model = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
     target = Target(model, fast=fast)
-    pin(model, rows)
+    pin(model, plan)
     linears = sum(type(m) is nn.Linear for m in model.modules())
     session = target.new_session(1)
     target.prefill(session, [[1, 2, 3, 4]])
@@ -157,7 +243,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
     with calls:
         logits = target.forward(session, torch.tensor([[5, 6, 7]])).logits
     used = [n for n in calls.names if n in ("linear", "mm")]
-    assert used == ["mm" if fast and 3 in rows else "linear"] * linears
+    assert used == ["mm" if fast and 3 in plan else "linear"] * linears
     calls = _Calls()
     with torch.inference_mode(), calls:
         want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=DynamicCache()).logits[:, 4:]
@@ -165,21 +251,43 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, rows):
     torch.testing.assert_close(logits, want.float(), rtol=1e-4, atol=1e-4)
 
 
+@needs_packing
+@pytest.mark.parametrize("pack", [True, False])
+def test_the_target_packs_only_when_allowed_and_its_head_follows_the_plan_for_a_drafters_rows(pack, packed_calls):
+    """``Target(pack=False)`` measures without packed copies; a drafter's 5 rows through
+    :meth:`Target.logits` take the plan's product like a verified block."""
+    from specdec.target import Target
+    from specdec.testing.tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
+    target = Target(model, pack=pack)
+    pin(model, {5: "packed"}, packed=True)
+    pin(model, {}, packed=False)
+    hidden = torch.randn(1, 5, target.hidden_size)
+    want = F.linear(hidden, target.lm_head.weight)
+    with torch.inference_mode():  # as a drafter's propose runs it
+        got = target.logits(hidden)
+    assert packed_calls == ([5] if pack else [])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="pack"):
+        Target(model, pack="yes")
+
+
 def test_a_target_whose_machine_chose_nothing_leaves_its_layers_alone():
-    """Where ``W @ xᵀ`` measured faster for no row count, the layers keep their own forward (no
-    wrapper to pay for); once some row count takes it, the wrapper is installed, once."""
+    """Where no other product measured faster for any row count, the layers keep their own forward
+    (no wrapper to pay for); once some row count takes one, the wrapper is installed, once."""
     from specdec.target import Target
     from specdec.testing.tiny import tiny_model
 
     model = tiny_model("llama", vocab_size=48, seed=3)
     target = Target(model)
-    pin(model, [])
+    pin(model, {})
     session = target.new_session(1)
     target.prefill(session, [[1, 2, 3]])
     target.forward(session, torch.tensor([[4, 5]]))
     target.commit(session)
     assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
-    pin(model, [2])
+    pin(model, {2: "mm"})
     target.forward(session, torch.tensor([[6, 7]]))
     wrapped = [m.__dict__.get("forward") for m in model.modules() if type(m) is nn.Linear]
     assert all(isinstance(f, fr._FewRowForward) for f in wrapped)

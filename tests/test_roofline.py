@@ -146,8 +146,20 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
             assert _positive(r["speedup"]) and _positive(r["mean_accepted_length"])
             assert r["identical_to_baseline"] == r["requests"] == 1
 
+    # which few-row product each row count took, per dtype and thread count (the tiny target's layers:
+    # float32 ones measured, bf16 ones never), and what the packed copies hold
+    assert [(f["dtype"], [p["threads"] for p in f["plans"]]) for f in res["few_rows"]] == [
+        (d, rc.threads) for d in rc.dtypes]
+    for f in res["few_rows"]:
+        products = [how for p in f["plans"] for rows, how in p["plan"]]
+        assert set(products) <= {"mm", "packed"} and all(rows >= 1 for p in f["plans"] for rows, _ in p["plan"])
+        assert f["packed_mib"] >= 0 and (f["packed_mib"] > 0) == ("packed" in products)
+        assert f["dtype"] == "float32" or not products
+
     table = (tmp_path / "roofline.md").read_text()
-    assert all(f"| {name} |" in table for name in ("library", "library_general", "transformers", "roofline", "ngram", "eagle3"))
+    assert all(f"| {name} |" in table for name in ("library", "library_unpacked", "library_general", "transformers",
+                                                    "roofline", "ngram", "eagle3"))
+    assert "Few-row products of the library's float32 linear layers" in table
     for fig in ("roofline_time.png", "roofline_ratio.png", "context.png"):
         assert (tmp_path / fig).stat().st_size > 10_000, fig
     assert all((tmp_path / f"speedup_ctx{c}" / "summary.json").exists() for c in rc.speedup_contexts)

@@ -53,10 +53,13 @@ class TargetConfig:
     dtype: str = "float32"
     device_map: str | None = None  # accelerate's device_map (e.g. "auto"); None = CPU
     tiny: dict[str, Any] = field(default_factory=dict)  # specdec.testing.tiny.tiny_model options when model == "tiny"
+    pack: bool = True  # CPU: oneDNN-packed copies of fp32 linear weights where measured faster (Target's pack)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"target.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.pack, bool):
+            raise TypeError(f"target.pack must be a bool, got {type(self.pack).__name__}")
 
 
 @dataclass
@@ -130,7 +133,7 @@ class RooflineConfig:
     forward sweep runs their product, the context sweep batch 1 at the first thread count in the
     target's dtype."""
 
-    impls: list[str] = field(default_factory=lambda: ["library", "transformers"])  # whose forward is timed (+ library_general: fast paths off)
+    impls: list[str] = field(default_factory=lambda: ["library", "transformers"])  # whose forward is timed (+ library_general: fast paths off; library_unpacked: no packed weights)
     batches: list[int] = field(default_factory=lambda: [1, 4, 16])
     threads: list[int] = field(default_factory=lambda: [1, 2])  # torch intra-op threads
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
@@ -147,8 +150,9 @@ class RooflineConfig:
     seed: int = 0  # token ids of the timed forwards (their values do not change the time)
 
     def __post_init__(self) -> None:
-        if unknown := sorted(set(self.impls) - {"library", "library_general", "transformers"}):
-            raise ValueError(f"roofline.impls must be among library, library_general and transformers, got {unknown}")
+        if unknown := sorted(set(self.impls) - {"library", "library_general", "library_unpacked", "transformers"}):
+            raise ValueError("roofline.impls must be among library, library_general, library_unpacked and"
+                             f" transformers, got {unknown}")
         if unknown := sorted(set(self.masks) - {"chain", "tree"}):
             raise ValueError(f"roofline.masks must be chain and/or tree, got {unknown}")
         if unknown := sorted(set(self.dtypes) - {"float32", "bfloat16", "float16"}):

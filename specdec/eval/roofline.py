@@ -17,6 +17,8 @@ What it measures (the grid is :class:`~specdec.eval.config.RooflineConfig`; ever
      session its ``prefill`` filled (its KV store, its masks, built inside the forward);
    - ``library_general``: the same with the fast paths off (``Target(fast=False)``: a chain too gets
      an ancestor matrix and a 4-D mask), what the fast paths save, measured in the same run;
+   - ``library_unpacked``: the fast paths without packed weights (``Target(pack=False)``: no second
+     copy of the linear weights, :mod:`specdec.few_rows`), what packing saves;
    - ``transformers``: ``model(input_ids, cache=DynamicCache)``; a chain passes no mask
      (transformers' causal path), a tree a 4-D additive mask and per-node positions built before
      the clock starts.
@@ -59,6 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdec import few_rows
 from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
@@ -283,9 +286,11 @@ class LibraryForward:
         return lambda: self.target.forward(self.session, tokens, par)
 
     def drop(self, tokens: Tensor) -> None:
-        """Back to the context: the block's slots become holes, compaction removes them."""
+        """Back to the context: the block's slots become holes, compaction removes them, and the store is
+        dense again (as in plain decoding: a chain then passes no mask)."""
         self.target.commit(self.session, torch.zeros(tokens.shape, dtype=torch.bool))
         self.session.cache.compact()
+        self.session.cache.refresh_dense()
 
 
 class GeneralLibraryForward(LibraryForward):
@@ -295,6 +300,14 @@ class GeneralLibraryForward(LibraryForward):
 
     def __init__(self, target: Target, context: Tensor, room: int = 0):  # context [B, C]
         super().__init__(Target(target.model, target.tokenizer, fast=False), context, room)
+
+
+class UnpackedLibraryForward(LibraryForward):
+    """The library's forward without packed weights (``Target(pack=False)``, the same model): the few-row
+    plan measured without oneDNN's packed product. Beside ``library`` it measures what packing saves."""
+
+    def __init__(self, target: Target, context: Tensor, room: int = 0):  # context [B, C]
+        super().__init__(Target(target.model, target.tokenizer, pack=False), context, room)
 
 
 class TransformersForward:
@@ -329,7 +342,8 @@ class TransformersForward:
 
 
 IMPLS: dict[str, type[LibraryForward] | type[TransformersForward]] = {
-    "library": LibraryForward, "library_general": GeneralLibraryForward, "transformers": TransformersForward}
+    "library": LibraryForward, "library_general": GeneralLibraryForward, "library_unpacked": UnpackedLibraryForward,
+    "transformers": TransformersForward}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -481,7 +495,7 @@ def run_roofline(cfg: RunConfig, out_dir: str | Path | None = None, target: Targ
     gen = torch.Generator().manual_seed(rc.seed)
     stream_mib = rc.stream_mib or max(64, 4 * _llc_mib())
     result: dict[str, Any] = {"machine": _machine(device), "bandwidth": [], "compute": [], "forward": [],
-                              "skipped": [], "context": [], "speedup": []}
+                              "skipped": [], "context": [], "speedup": [], "few_rows": []}
     try:
         for threads in rc.threads:
             torch.set_num_threads(threads)
@@ -495,6 +509,7 @@ def run_roofline(cfg: RunConfig, out_dir: str | Path | None = None, target: Targ
             rows, skipped = forward_sweep(t, rc, gen)
             result["forward"] += rows
             result["skipped"] += skipped
+            result["few_rows"].append(_few_rows_report(t, dtype, rc.threads))
             del t
         torch.set_num_threads(rc.threads[0])
         result["context"] = context_sweep(target, rc, gen)
@@ -517,6 +532,17 @@ def run_roofline(cfg: RunConfig, out_dir: str | Path | None = None, target: Targ
 
         plot_all(result, out)
     return result
+
+
+def _few_rows_report(target: Target, dtype: str, threads: list[int]) -> dict[str, Any]:
+    """Which product the library's linear layers took per row count at each thread count (CPU; empty
+    elsewhere), and the memory the packed copies hold."""
+    plans = []
+    for n in threads:
+        torch.set_num_threads(n)
+        plan = few_rows.plan_for(target.model, packed=target.pack) if target.device.type == "cpu" else {}
+        plans.append({"threads": n, "plan": sorted(plan.items())})  # [[rows, product], ...]: JSON keeps ints
+    return {"dtype": dtype, "plans": plans, "packed_mib": few_rows.packed_bytes(target.model) / 2**20}
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -551,6 +577,18 @@ def _ms(seconds: float | None, fmt: str = ".1f") -> str:
     return _f(None if seconds is None else seconds * 1e3, fmt)
 
 
+def _plan_text(plan: list[tuple[int, str]]) -> str:
+    """``[(4, packed), ..., (31, packed)]`` as "packed at 4–31 rows; F.linear elsewhere"."""
+    runs: list[list] = []
+    for rows, how in sorted(plan):
+        if runs and runs[-1][0] == how and runs[-1][2] == rows - 1:
+            runs[-1][2] = rows
+        else:
+            runs.append([how, rows, rows])
+    parts = [f"{how} at {lo}" + (f"–{hi}" if hi > lo else "") + " rows" for how, lo, hi in runs]
+    return "; ".join(parts + ["F.linear elsewhere"]) if parts else "F.linear at every row count"
+
+
 def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
     """The run as markdown: the machine's limits, t(m)/t(1) per setting, the context sweep, speedups."""
     rc, mc = cfg.roofline, result["machine"]
@@ -578,6 +616,10 @@ def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
                          + " | ".join(_f(ratio.get(m), ".2f") for m in ms) + " |")
     if result["skipped"]:
         lines += ["", f"Skipped: {len(result['skipped'])} points ({result['skipped'][0]['why']})."]
+    for f in result.get("few_rows", []):
+        for p in f["plans"]:
+            lines += ["", f"Few-row products of the library's {f['dtype']} linear layers, {p['threads']} thread(s)"
+                      f" (specdec.few_rows; packed copies hold {f['packed_mib']:.0f} MiB): {_plan_text(p['plan'])}."]
     if result["context"]:
         kind = result["context"][0]["memory"] or "not measured"
         lines += ["", f"Against context (batch 1, {rc.threads[0]} thread(s), {cfg.target.dtype}); peak memory above"

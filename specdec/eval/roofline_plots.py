@@ -16,7 +16,8 @@ from typing import Any
 
 __all__ = ["plot_all"]
 
-COLORS = {"library": "tab:blue", "library_general": "tab:green", "transformers": "tab:orange"}
+COLORS = {"library": "tab:blue", "library_general": "tab:green", "library_unpacked": "tab:purple",
+          "transformers": "tab:orange"}
 STYLES = {"chain": "-", "tree": "--"}
 
 

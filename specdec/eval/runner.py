@@ -63,8 +63,8 @@ def build_target(cfg: TargetConfig) -> Target:
     if cfg.model == "tiny":
         from specdec.testing.tiny import tiny_model
 
-        return Target(tiny_model(**{"vocab_size": 64, **cfg.tiny}).to(getattr(torch, cfg.dtype)))
-    return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map)
+        return Target(tiny_model(**{"vocab_size": 64, **cfg.tiny}).to(getattr(torch, cfg.dtype)), pack=cfg.pack)
+    return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map, pack=cfg.pack)
 
 
 def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:
