@@ -68,8 +68,8 @@ class Case:
 # weights measured when recorded (the record's "measured" keeps the exact figures; the comments
 # repeat them), and clearly above a drafter with random weights (~0 acceptance, length ~1.0).
 CASES: dict[str, Case] = {
-    "smollm2-135m-eagle3": Case("eagle3", floors=(0.22, 0.06, 0.01, 0.0), mal_floor=1.31,
-                                options=dict(tree="chain")),  # 0.272 0.078 0.019 0.019, length 1.388
+    "smollm2-135m-eagle3": Case("eagle3", floors=(0.25, 0.11, 0.04, 0.02), mal_floor=1.43,
+                                options=dict(tree="chain")),  # 0.312 0.140 0.054 0.032, length 1.538
     "smollm2-135m-dspark": Case("dspark", floors=(0.08, 0.0, 0.0, 0.0), mal_floor=1.08),  # 0.111 0.008 0 0, 1.119
     "tiny-deepseek-v3-mtp": Case("mtp", floors=(0.48, 0.38, 0.31, 0.24), mal_floor=2.2, on_smollm2=False,
                                  options=dict(policy="cycle"), prompts=heldout_prompts,
