@@ -85,9 +85,17 @@ class _FewRowForward:
         if (how is None or w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return F.linear(x, w, b)
-        flat = x.reshape(rows, x.shape[-1])
-        y = _mm(flat, w, b) if how == "mm" else _packed(flat, self.module)
-        return y.view(*x.shape[:-1], w.shape[0])
+        return _product(how, x.reshape(rows, x.shape[-1]), self.module).view(*x.shape[:-1], w.shape[0])
+
+
+def _product(how: str, flat: Tensor, module: nn.Linear) -> Tensor:
+    """One of :data:`PRODUCTS` over ``flat`` [rows, in] → [rows, out]: what the installed forward
+    takes and what :func:`measure` times, the same call."""
+    if how == "mm":
+        return _mm(flat, module.weight, module.bias)
+    if how == "packed":
+        return _packed(flat, module)
+    return F.linear(flat, module.weight, module.bias)
 
 
 def _mm(flat: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -168,8 +176,6 @@ def measure(model: nn.Module, row_counts: tuple[int, ...] = ROW_COUNTS, reps: in
     layers = _cpu_float32_weights(model)
     widths = {m.in_features for m in layers}
     packed = packed and packing_available()
-    products = {"linear": lambda x, m: F.linear(x, m.weight, m.bias), "mm": lambda x, m: _mm(x, m.weight, m.bias),
-                "packed": _packed}
     if packed:
         for m in layers:  # the copies first: packing is not what a pass costs
             _packed_weight(m)
@@ -181,10 +187,9 @@ def measure(model: nn.Module, row_counts: tuple[int, ...] = ROW_COUNTS, reps: in
         best = dict.fromkeys(names, float("inf"))
         for _ in range(reps):
             for name in names:
-                product = products[name]
                 t0 = time.perf_counter()
                 for m in layers:
-                    product(xs[m.in_features], m)
+                    _product(name, xs[m.in_features], m)
                 best[name] = min(best[name], time.perf_counter() - t0)
         out[rows] = best
     return out

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdec import gqa_attention
-from specdec.few_rows import ROW_COUNTS, Plan, few_rows, install, plan_for
+from specdec.few_rows import Plan, few_rows, install, plan_for
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
@@ -382,7 +382,7 @@ class Target:
             plan = session.cache.plan(chain_parents(m, B, self.device) if parents is None else parents.to(self.device))
         self._captured = {}
         eager = self.fast and not self._compiled
-        few = self._row_plan(B * m)
+        few = self._row_plan()
         with few_rows(few) if few else nullcontext(), grouped() if eager else nullcontext():
             out = self._decode(
                 input_ids=tokens.to(self.device),
@@ -400,11 +400,11 @@ class Target:
         self._captured = {}
         return TargetOutput(logits, hidden, final)
 
-    def _row_plan(self, rows: int) -> Plan:
-        """The few-row plan of this target's linear layers for a product over ``rows`` rows (empty
-        off the eager fast path, off the CPU, or past the row counts measured); installs the
-        layers' forward once some row count takes a product other than ``F.linear``."""
-        if not (self.fast and not self._compiled and self.device.type == "cpu" and rows <= ROW_COUNTS[-1]):
+    def _row_plan(self) -> Plan:
+        """The few-row plan of this target's linear layers (empty off the eager fast path or off the
+        CPU; a row count it does not name keeps ``F.linear``); installs the layers' forward once
+        some row count takes a product other than ``F.linear``."""
+        if not (self.fast and not self._compiled and self.device.type == "cpu"):
             return {}
         plan = plan_for(self.model, packed=self.pack)
         if plan and not self._few_rows_installed:  # until then the layers keep their own forward
@@ -420,7 +420,7 @@ class Target:
         49k-row head is most of their draft step, and bf16 halves its bytes (on a CPU with AMX, a
         4-row product is 3x faster). Verification always reads the target's own head."""
         if dtype is None or dtype == self.lm_head.weight.dtype:
-            few = self._row_plan(hidden.numel() // hidden.shape[-1])  # a drafter's block of rows too
+            few = self._row_plan()  # a drafter's block of rows through the head too
             with few_rows(few) if few else nullcontext():
                 logits = self.lm_head(hidden)
         else:
