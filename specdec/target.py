@@ -157,7 +157,7 @@ class Target:
         self._decode = torch.compile(self.decoder, dynamic=True, backend=backend) if compile else self.decoder
         self._compiled = bool(compile)
         self._few_rows_installed = False
-        self._head_copies: dict[torch.dtype, tuple] = {}  # logits(dtype=...): the head's weight in that dtype
+        self._head_copies: dict[tuple, tuple] = {}  # logits(dtype=, vocab=): the head's weight in that dtype, those rows
         if not compile:  # a compiled decoder picks its own kernels
             gqa_attention.install()  # inert outside grouped(): the model stays as it was for any other caller
 
@@ -412,36 +412,49 @@ class Target:
             self._few_rows_installed = True
         return plan
 
-    def logits(self, hidden: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """LM head (with any final soft-capping the model applies) in float32.
+    def logits(self, hidden: Tensor, dtype: torch.dtype | None = None, vocab: Tensor | None = None) -> Tensor:
+        """LM head (with any final soft-capping the model applies) in float32. [.., V]
 
         ``dtype``: run the head in that dtype instead, on a copy of its weight made once (and again
         if the weight changes). Drafters that draft through the target's head take it in bf16: a
         49k-row head is most of their draft step, and bf16 halves its bytes (on a CPU with AMX, a
-        4-row product is 3x faster). Verification always reads the target's own head."""
-        if dtype is None or dtype == self.lm_head.weight.dtype:
+        4-row product is 3x faster). ``vocab`` (sorted ids, :mod:`specdec.draft_vocab`): only those
+        rows of the head, from a copy made once; every other logit is -inf, so nothing outside is
+        ever drafted. Verification always reads the target's own head."""
+        if vocab is None and (dtype is None or dtype == self.lm_head.weight.dtype):
             few = self._row_plan()  # a drafter's block of rows through the head too
             with few_rows(few) if few else nullcontext():
                 logits = self.lm_head(hidden)
         else:
-            weight, bias = self._head_copy(dtype)
+            weight, bias = self._head_copy(dtype or self.lm_head.weight.dtype, vocab)
             # as rows: a [B, 1, D] slice keeps its parent's strides, on which a bf16 product runs ~20x slower
-            flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-            logits = F.linear(flat, weight, bias).view(*hidden.shape[:-1], weight.shape[0])
+            flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+            logits = F.linear(flat, weight, bias)
         cap = getattr(self.text_config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        if vocab is not None:
+            rows = logits.float()
+            logits = rows.new_full((rows.shape[0], self.vocab_size), float("-inf")).index_copy_(1, vocab.to(rows.device), rows)
+            return logits.view(*hidden.shape[:-1], self.vocab_size)
+        return logits.float().view(*hidden.shape[:-1], logits.shape[-1])
 
-    def _head_copy(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    def _head_copy(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The head's weight (and bias) in ``dtype``, only the rows ``vocab`` names when given: made
+        once per (dtype, vocab tensor) and again if the weight changes."""
         head = self.lm_head
         bias = getattr(head, "bias", None)
         key = (dtype, head.weight.data_ptr(), head.weight._version, head.weight.device)
-        cached = self._head_copies.get(dtype)
+        slot = (dtype, None if vocab is None else id(vocab))
+        cached = self._head_copies.get(slot)
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                cached = (key, head.weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
-            self._head_copies[dtype] = cached
+                w, b = head.weight.detach(), None if bias is None else bias.detach()
+                if vocab is not None:
+                    w, b = w[vocab.to(w.device)], None if b is None else b[vocab.to(w.device)]
+                # the vocab tensor is held with its copy, so its id names no other tensor while cached
+                cached = (key, w.to(dtype).contiguous(), None if b is None else b.to(dtype), vocab)
+            self._head_copies[slot] = cached
         return cached[1], cached[2]
 
     def commit(self, session: TargetSession, keep: Tensor | None = None) -> None:

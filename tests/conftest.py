@@ -33,6 +33,7 @@ from specdec.testing import RandomDrafter, Recording  # noqa: E402
 from specdec.testing.tiny import tiny_model  # noqa: E402
 
 VOCAB = 32
+TOKEN_MAP = (5, 0, 17, 3, 30, 9, 12, 1, 26, 8, 21, 14, 2, 11)  # ranked ids; the draft_vocab cases keep the first 12
 
 
 def _registry_case(name):
@@ -55,6 +56,11 @@ CASES.update({
     "mtp[bf16_head]": lambda t: DRAFTERS["mtp"].tiny(t, head_dtype="bfloat16"),  # drafting through a bf16 copy of the head
     "dflash[bf16_head]": lambda t: DRAFTERS["dflash"].tiny(t, head_dtype="bfloat16"),
     "dspark[bf16_head]": lambda t: DRAFTERS["dspark"].tiny(t, head_dtype="bfloat16"),
+    # drafting over a subset of the target's head (a token map, FR-Spec): the rest is never proposed
+    "mtp[draft_vocab]": lambda t: DRAFTERS["mtp"].tiny(t, token_map=TOKEN_MAP, draft_vocab=12),
+    "dflash[draft_vocab]": lambda t: DRAFTERS["dflash"].tiny(t, token_map=TOKEN_MAP, draft_vocab=12),
+    "dspark[draft_vocab]": lambda t: DRAFTERS["dspark"].tiny(t, token_map=TOKEN_MAP, draft_vocab=12,
+                                                            head_dtype="bfloat16"),
     "random[chain,iid]": lambda t: RandomDrafter.create(t, siblings="iid"),
     "random[tree,iid]": lambda t: RandomDrafter.create(t, siblings="iid", branching=[2, 2]),
     "random[tree,without_replacement]": lambda t: RandomDrafter.create(t, siblings="without_replacement", branching=[3, 1]),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from specdec.draft_vocab import draft_vocabulary
 from specdec.drafter import Drafter
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
 from specdec.kv import KVStore
@@ -73,16 +75,21 @@ class BlockDrafter(Drafter):
     """What DFlash and DSpark share: binding, the context cache, one block forward."""
 
     model_class: ClassVar[type[BlockDraftModel]] = BlockDraftModel
-    options: ClassVar[tuple[str, ...]] = ("greedy_draft", "head_dtype")  # the constructor's keyword options
+    options: ClassVar[tuple[str, ...]] = ("greedy_draft", "head_dtype", "token_map", "draft_vocab")  # constructor kwargs
     tiny_config: ClassVar[dict[str, Any]] = {}  # the family's defaults over tiny_block_config's
 
-    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = ""):
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = "",
+                 token_map: str | Sequence[int] = "", draft_vocab: int = 0):
         """``head_dtype``: the target's LM head as drafts read it ("" its own, "bfloat16" a bf16 copy:
-        the head is most of a draft step, and a block of k rows through it most of all)."""
+        the head is most of a draft step, and a block of k rows through it most of all).
+        ``token_map``/``draft_vocab``: draft over the first ``draft_vocab`` ids of a token map only
+        (0: all of it; :mod:`specdec.draft_vocab`), reading only those rows of the head."""
         self.model = model.eval()
         self.cfg = model.cfg
         self.greedy_draft = greedy_draft
         self.head_dtype = as_float_dtype("head_dtype", head_dtype)
+        self.token_map, self.draft_vocab = token_map, draft_vocab
+        self.vocab: Tensor | None = None  # the drafted ids (sorted), set by bind
         self.hidden_ids = layer_output_ids(self.cfg.target_layer_ids)
 
     # --- binding ------------------------------------------------------------------------------
@@ -100,6 +107,12 @@ class BlockDrafter(Drafter):
             raise ValueError(f"{self.name} was built for a {cfg.num_target_layers}-layer target,"
                              f" this one has {target.num_layers}")
         cfg.check_target(target.num_layers)
+        vocab = draft_vocabulary(self.token_map, self.draft_vocab, target.vocab_size)
+        if vocab is not None and self.model.t2d is not None:  # a checkpoint's own draft vocabulary too
+            vocab = vocab[self.model.t2d.cpu()[vocab]]
+            if vocab.numel() == 0:
+                raise ValueError(f"{self.name}: no id of the token map lies in the checkpoint's draft vocabulary")
+        self.vocab = None if vocab is None else vocab.to(target.device)
         self.model.to(device=target.device, dtype=target.dtype)
         super().bind(target)
 
@@ -216,14 +229,15 @@ class BlockDrafter(Drafter):
 class DFlashDrafter(BlockDrafter):
     name = "dflash"
 
-    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = ""):
+    def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, head_dtype: str = "",
+                 token_map: str | Sequence[int] = "", draft_vocab: int = 0):
         if model.cfg.anchor_predicts:
             raise ValueError(f"dflash needs a model whose anchor does not draft; {type(model).__name__}'s does"
                              " (anchor_predicts: a DSpark model); use the dspark drafter")
-        super().__init__(model, greedy_draft, head_dtype)
+        super().__init__(model, greedy_draft, head_dtype, token_map, draft_vocab)
 
     @torch.inference_mode()
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
         hidden = self.block_hidden(state, k + 1)[:, 1:]  # position j drafts the token at P + j
-        logits = self.model.restrict(self.target.logits(hidden, self.head_dtype))  # [B, k, V]
+        logits = self.model.restrict(self.target.logits(hidden, self.head_dtype, self.vocab))  # [B, k, V]
         return DraftProposal.chain(*rows.draw(logits, self.greedy_draft or rows.all_greedy))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,20 +54,22 @@ class DSparkState(ScheduleState, BlockState):
 class DSparkDrafter(BlockDrafter):
     name = "dspark"
     model_class = DSparkModel
-    options = ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every", "profile_gamma", "head_dtype")
+    options = ("greedy_draft", "scheduler", "costs", "budget", "ragged", "probe_every", "profile_gamma", "head_dtype",
+               "token_map", "draft_vocab")
     tiny_config = {"markov_rank": 4, "block_size": 4, "enable_confidence_head": True}
     model: DSparkModel
     cfg: DSparkConfig
 
     def __init__(self, model: BlockDraftModel, greedy_draft: bool = False, scheduler: bool = False,
                  costs: StepCosts | str | None = None, budget: int | None = None, ragged: bool = False,
-                 probe_every: int = 8, profile_gamma: int | None = None, head_dtype: str = ""):
+                 probe_every: int = 8, profile_gamma: int | None = None, head_dtype: str = "",
+                 token_map: str | Sequence[int] = "", draft_vocab: int = 0):
         if not isinstance(model, DSparkModel):
             raise ValueError("dspark needs a model whose anchor position predicts (DeepSpec / speculators"
                              " sample_from_anchor layout); this looks like a DFlash checkpoint")
         if scheduler and model.confidence_head is None:
             raise ValueError("the prefix scheduler needs a confidence head (enable_confidence_head)")
-        super().__init__(model, greedy_draft, head_dtype)
+        super().__init__(model, greedy_draft, head_dtype, token_map, draft_vocab)
         self.scheduler = scheduler
         self.costs = StepCosts.load(costs) if isinstance(costs, (str, Path)) else costs
         self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
@@ -93,7 +96,7 @@ class DSparkDrafter(BlockDrafter):
         if self.scheduler and self._skip(state, k):
             return DraftProposal.empty(B, self.target.device)
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
-        base = self.model.restrict(self.target.logits(hidden, self.head_dtype))  # [B, k, V]
+        base = self.model.restrict(self.target.logits(hidden, self.head_dtype, self.vocab))  # [B, k, V]
         greedy = self.greedy_draft or rows.all_greedy
         u = rows.draft_uniform(k)  # drawn when greedy too: the drafter's stream advances alike
         tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)

@@ -39,19 +39,12 @@ from torch import Tensor, nn
 
 from specdec.drafters.eagle3.checkpoint import load_eagle3, save_eagle3
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids, draft_layer_config, vocab_map
+from specdec.draft_vocab import token_counts
 from specdec.target import Target
-from specdec.training.data import Batch, FeatureSeq, TokenSeq, TrainData, target_features
+from specdec.training.data import Batch, FeatureSeq, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
 
-__all__ = ["token_counts", "sample_anchors", "TTTResult", "ttt_loss", "Eagle3Options", "Eagle3Recipe"]
-
-
-def token_counts(seqs: list[TokenSeq] | list[FeatureSeq], vocab_size: int) -> Tensor:
-    """How often each token appears in the responses (what a draft must propose). [V]"""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in seqs:
-        counts += torch.bincount(s.tokens[s.response_start:], minlength=vocab_size)
-    return counts
+__all__ = ["sample_anchors", "TTTResult", "ttt_loss", "Eagle3Options", "Eagle3Recipe"]
 
 
 def sample_anchors(seq: FeatureSeq, n: int, gen: torch.Generator) -> Tensor:

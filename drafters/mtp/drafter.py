@@ -38,7 +38,7 @@ Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabular
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,13 +46,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdec.draft_vocab import draft_vocabulary
 from specdec.drafter import Drafter
 from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
-from specdec.validate import as_float_dtype
+from specdec.validate import as_float_dtype, as_int
 
 __all__ = ["MTPConfig", "MTPModule", "MTPDrafter", "MTPState", "build_mtp_modules",
            "module_for_step", "POLICIES"]
@@ -68,9 +69,12 @@ class MTPConfig:
     greedy_draft: bool = False  # argmax drafts (q = None) even when sampling
     chain_hidden: str = "normed"  # feed the next depth h after shared_head.norm (transformers) or "residual" (vLLM)
     head_dtype: str = ""  # the target's LM head as drafts read it: "" its own; "bfloat16" a bf16 copy (most of a step)
+    token_map: str | Sequence[int] = ""  # draft over the ids of this token map only (specdec.draft_vocab)
+    draft_vocab: int = 0  # ... its first this many (0: all)
 
     def __post_init__(self) -> None:
         as_float_dtype("head_dtype", self.head_dtype)
+        as_int("draft_vocab", self.draft_vocab, minimum=0)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.tree_top_k < 1:
@@ -194,6 +198,11 @@ class MTPDrafter(Drafter):
             raise ValueError(f"MTP eh_proj expects hidden size {width // 2}, the target has {target.hidden_size}")
         self.modules.to(device=target.device, dtype=target.dtype)
         self.layer_type = target.layer_specs()[-1].layer_type  # every MTP block's (build_mtp_modules)
+        vocab = draft_vocabulary(self.config.token_map, self.config.draft_vocab, target.vocab_size)
+        if vocab is not None and vocab.numel() < self.config.tree_top_k:
+            raise ValueError(f"tree_top_k={self.config.tree_top_k} needs as many drafted ids; the draft vocabulary"
+                             f" has {vocab.numel()}")
+        self.vocab = None if vocab is None else vocab.to(target.device)
         super().bind(target)
 
     # --- the contract -------------------------------------------------------------------------
@@ -246,7 +255,7 @@ class MTPDrafter(Drafter):
                 for b in range(B):
                     nxt.hidden_in[b] = torch.cat([nxt.hidden_in[b], committed[b]])
             tent = out
-            logits = self.target.logits(last, self.head_dtype)  # [B, K, V] float32
+            logits = self.target.logits(last, self.head_dtype, self.vocab)  # [B, K, V] float32
             if j == 0 and K > 1:
                 first = logits[:, 0].topk(K, dim=-1).indices  # [B, K] distinct, most likely first
                 tokens.append(first)

@@ -69,12 +69,14 @@ def build_target(cfg: TargetConfig) -> Target:
 
 def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:
     """The configured drafter; on the tiny target, the drafter's own random-weight ``tiny()`` (a
-    configured ``checkpoint`` holds weights for the real target: it is left out)."""
+    configured ``checkpoint`` or ``token_map`` with its ``draft_vocab`` holds weights or ids for the
+    real target: they are left out)."""
     name, options = cfg.name, dict(cfg.options)
     if not name:
         return None
     if target_cfg.model == "tiny":
-        options.pop("checkpoint", None)
+        for real in ("checkpoint", "token_map", "draft_vocab"):
+            options.pop(real, None)
         return drafter_class(name).tiny(target, **options)
     return make_drafter(name, target, **options)
 

@@ -32,9 +32,11 @@ from specdec.eval.config import DatasetConfig
 from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.sampling import SamplingParams
 from specdec.target import Target
-from specdec.training.data import HELD_OUT
+from specdec.training.data import HELD_OUT, held_out_seq
+from specdec.draft_vocab import token_counts
 
-__all__ = ["TEMPERATURES", "CorpusSeq", "corpus_conversations", "generate_corpus", "read_corpus", "corpus_stats"]
+__all__ = ["TEMPERATURES", "CorpusSeq", "corpus_conversations", "generate_corpus", "read_corpus", "corpus_stats",
+           "corpus_token_counts"]
 
 # (temperature, top_p) by prompt id modulo 3: greedy, the runner's "nucleus" and "sample" presets
 TEMPERATURES: tuple[tuple[float, float], ...] = ((0.0, 1.0), (0.7, 0.9), (1.0, 1.0))
@@ -163,3 +165,13 @@ def corpus_stats(folder: str | Path) -> dict[str, float]:
         response += s.tokens.numel() - s.response_start
     size = sum(p.stat().st_size for p in Path(folder).glob("shard-*.safetensors"))
     return {"sequences": n, "prompt_tokens": prompt, "response_tokens": response, "bytes": size}
+
+
+def corpus_token_counts(folder: str | Path, vocab_size: int, held_out_every: int = 20) -> tuple[Tensor, Tensor]:
+    """Response-token counts [V] of the corpus's training and held-out sequences (the one rule,
+    as training splits them): a token map ranks the first (:func:`specdec.draft_vocab.rank_tokens`),
+    the second says what it covers on text it was not made from."""
+    seqs = list(read_corpus(folder))
+    held = [held_out_seq(s, held_out_every) for s in seqs]
+    return (token_counts((s for s, h in zip(seqs, held) if not h), vocab_size),
+            token_counts((s for s, h in zip(seqs, held) if h), vocab_size))

@@ -48,7 +48,7 @@ from specdec.models import cache_dir
 from specdec.target import Target
 from specdec.training.config import DataConfig
 
-__all__ = ["HELD_OUT", "held_out", "TokenSeq", "FeatureSeq", "Batch", "TrainData", "training_conversations",
+__all__ = ["HELD_OUT", "held_out", "held_out_seq", "TokenSeq", "FeatureSeq", "Batch", "TrainData", "training_conversations",
            "self_distill", "save_sequences", "load_sequences", "target_features", "make_batch", "load_data"]
 
 # benchmark items never trained on: the first N of each dataset's file order
@@ -281,11 +281,15 @@ def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[
     else:
         seqs = self_distill(target, cfg.sequences, cfg.max_new_tokens, cfg.seed, batch=64, progress=progress)
     seqs = seqs[: cfg.use]
-    names = [",".join(map(str, s.tokens[: s.response_start].tolist())) for s in seqs]  # the whole prompt
+    split = [held_out_seq(s, cfg.held_out_every) for s in seqs]  # before any cut: by the whole prompt
     seqs = [_cut(s, cfg.max_prompt, cfg.max_len) for s in seqs]
-    split = [held_out(n, cfg.held_out_every) for n in names]
     return ([s for s, h in zip(seqs, split) if not h], [s for s, h in zip(seqs, split) if h],
             target.tokenizer if target is not None else None)
+
+
+def held_out_seq(seq: TokenSeq, every: int) -> bool:
+    """The one held-out rule for a prompt/response sequence: by its whole prompt's token ids."""
+    return held_out(",".join(map(str, seq.tokens[: seq.response_start].tolist())), every)
 
 
 def _cut(seq: TokenSeq, max_prompt: int | None, max_len: int | None) -> TokenSeq:
