@@ -157,7 +157,8 @@ def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
         assert f["dtype"] == "float32" or not products
 
     table = (tmp_path / "roofline.md").read_text()
-    assert all(f"| {name} |" in table for name in ("library", "library_unpacked", "library_general", "transformers",
+    assert all(f"| {name} |" in table for name in ("library", "library_unpacked", "library_gqa", "library_general",
+                                                    "transformers",
                                                     "roofline", "ngram", "eagle3"))
     assert "Few-row products of the library's float32 linear layers" in table
     for fig in ("roofline_time.png", "roofline_ratio.png", "context.png"):

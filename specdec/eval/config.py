@@ -133,7 +133,7 @@ class RooflineConfig:
     forward sweep runs their product, the context sweep batch 1 at the first thread count in the
     target's dtype."""
 
-    impls: list[str] = field(default_factory=lambda: ["library", "transformers"])  # whose forward is timed (+ library_general: fast paths off; library_unpacked: no packed weights)
+    impls: list[str] = field(default_factory=lambda: ["library", "transformers"])  # whose forward is timed (+ library_general: fast paths off; library_unpacked: no packed weights; library_gqa: heads unpacked in attention)
     batches: list[int] = field(default_factory=lambda: [1, 4, 16])
     threads: list[int] = field(default_factory=lambda: [1, 2])  # torch intra-op threads
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
@@ -150,9 +150,10 @@ class RooflineConfig:
     seed: int = 0  # token ids of the timed forwards (their values do not change the time)
 
     def __post_init__(self) -> None:
-        if unknown := sorted(set(self.impls) - {"library", "library_general", "library_unpacked", "transformers"}):
-            raise ValueError("roofline.impls must be among library, library_general, library_unpacked and"
-                             f" transformers, got {unknown}")
+        if unknown := sorted(set(self.impls) - {"library", "library_general", "library_unpacked", "library_gqa",
+                                                "transformers"}):
+            raise ValueError("roofline.impls must be among library, library_general, library_unpacked, library_gqa"
+                             f" and transformers, got {unknown}")
         if unknown := sorted(set(self.masks) - {"chain", "tree"}):
             raise ValueError(f"roofline.masks must be chain and/or tree, got {unknown}")
         if unknown := sorted(set(self.dtypes) - {"float32", "bfloat16", "float16"}):

@@ -19,6 +19,8 @@ What it measures (the grid is :class:`~specdec.eval.config.RooflineConfig`; ever
      an ancestor matrix and a 4-D mask), what the fast paths save, measured in the same run;
    - ``library_unpacked``: the fast paths without packed weights (``Target(pack=False)``: no second
      copy of the linear weights, :mod:`specdec.few_rows`), what packing saves;
+   - ``library_gqa``: the library's forward with each query head on its own in attention
+     (:func:`specdec.gqa_attention.packed_rows` off), what packing a KV head's query group as rows saves;
    - ``transformers``: ``model(input_ids, cache=DynamicCache)``; a chain passes no mask
      (transformers' causal path), a tree a 4-D additive mask and per-node positions built before
      the clock starts.
@@ -62,6 +64,7 @@ import torch
 from torch import Tensor, nn
 
 from specdec import few_rows
+from specdec.gqa_attention import packed_rows
 from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
@@ -310,6 +313,20 @@ class UnpackedLibraryForward(LibraryForward):
         super().__init__(Target(target.model, target.tokenizer, pack=False), context, room)
 
 
+class GqaLibraryForward(LibraryForward):
+    """The library's forward with every query head a head of its own in attention (``enable_gqa`` for a
+    block, transformers' call for one query: :func:`specdec.gqa_attention.packed_rows` off), as before
+    each KV head's query group became one block of rows. Beside ``library`` it measures what that saves."""
+
+    def call(self, tokens: Tensor, parents: list[int] | None) -> Callable[[], Any]:
+        forward = super().call(tokens, parents)
+
+        def unpacked() -> Any:
+            with packed_rows(False):
+                return forward()
+        return unpacked
+
+
 class TransformersForward:
     """Plain transformers on the same model: ``model(input_ids, cache=DynamicCache)``."""
 
@@ -343,7 +360,7 @@ class TransformersForward:
 
 IMPLS: dict[str, type[LibraryForward] | type[TransformersForward]] = {
     "library": LibraryForward, "library_general": GeneralLibraryForward, "library_unpacked": UnpackedLibraryForward,
-    "transformers": TransformersForward}
+    "library_gqa": GqaLibraryForward, "transformers": TransformersForward}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any
 __all__ = ["plot_all"]
 
 COLORS = {"library": "tab:blue", "library_general": "tab:green", "library_unpacked": "tab:purple",
-          "transformers": "tab:orange"}
+          "library_gqa": "tab:brown", "transformers": "tab:orange"}
 STYLES = {"chain": "-", "tree": "--"}
 
 
