@@ -128,3 +128,20 @@ def test_the_committed_token_map_is_what_its_command_makes(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "experiments" / "token_map.py"), "--out", str(out)], check=True,
                    capture_output=True, cwd=ROOT)
     assert torch.equal(read_token_map(out), committed)
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_block_drafters_read_only_their_checkpoints_draft_vocabulary_rows(target, family):
+    """A checkpoint's own draft vocabulary (t2d) is the head's only rows read, alone or within a map."""
+    d = DRAFTERS.get(family).tiny(target)
+    assert d.drafted_ids() is None
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[[3, 5, 7, 17]] = True
+    d.model.set_draft_vocab(t2d)
+    assert d.drafted_ids().tolist() == [3, 5, 7, 17]
+    mapped = DRAFTERS.get(family).tiny(target, token_map=[5, 0, 17, 3, 30], draft_vocab=3)
+    mapped.model.set_draft_vocab(t2d)
+    assert mapped.drafted_ids().tolist() == [5, 17]  # the map's first three within t2d
+    mapped.model.set_draft_vocab(torch.arange(target.vocab_size) == 30)
+    with pytest.raises(ValueError, match="no id of the token map"):
+        mapped.drafted_ids()

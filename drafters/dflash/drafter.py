@@ -89,7 +89,6 @@ class BlockDrafter(Drafter):
         self.greedy_draft = greedy_draft
         self.head_dtype = as_float_dtype("head_dtype", head_dtype)
         self.token_map, self.draft_vocab = token_map, draft_vocab
-        self.vocab: Tensor | None = None  # the drafted ids (sorted), set by bind
         self.hidden_ids = layer_output_ids(self.cfg.target_layer_ids)
 
     # --- binding ------------------------------------------------------------------------------
@@ -108,13 +107,25 @@ class BlockDrafter(Drafter):
                              f" this one has {target.num_layers}")
         cfg.check_target(target.num_layers)
         vocab = draft_vocabulary(self.token_map, self.draft_vocab, target.vocab_size)
-        if vocab is not None and self.model.t2d is not None:  # a checkpoint's own draft vocabulary too
-            vocab = vocab[self.model.t2d.cpu()[vocab]]
-            if vocab.numel() == 0:
-                raise ValueError(f"{self.name}: no id of the token map lies in the checkpoint's draft vocabulary")
-        self.vocab = None if vocab is None else vocab.to(target.device)
+        self.mapped = None if vocab is None else vocab.to(target.device)
+        self._vocab_for = None  # (the t2d the drafted ids were made for, the ids)
         self.model.to(device=target.device, dtype=target.dtype)
         super().bind(target)
+        self.drafted_ids()  # a map with no id in the checkpoint's draft vocabulary fails here, before work
+
+    def drafted_ids(self) -> Tensor | None:
+        """The ids drafts are drawn from (sorted), the head's only rows read: the token map's first
+        ``draft_vocab``, within the checkpoint's own draft vocabulary (``t2d``) where it has one; None
+        for all. Remade when the model's ``t2d`` changes."""
+        t2d = self.model.t2d
+        if self._vocab_for is None or self._vocab_for[0] is not t2d:
+            ids = self.mapped
+            if t2d is not None:
+                ids = t2d.nonzero().squeeze(1) if ids is None else ids[t2d[ids]]
+                if ids.numel() == 0:
+                    raise ValueError(f"{self.name}: no id of the token map lies in the checkpoint's draft vocabulary")
+            self._vocab_for = (t2d, ids)
+        return self._vocab_for[1]
 
     # --- the contract -------------------------------------------------------------------------
     def start(self, prefill: Committed, rows: RowSampling) -> BlockState:
@@ -239,5 +250,5 @@ class DFlashDrafter(BlockDrafter):
     @torch.inference_mode()
     def propose(self, state: BlockState, k: int, rows: RowSampling) -> DraftProposal:
         hidden = self.block_hidden(state, k + 1)[:, 1:]  # position j drafts the token at P + j
-        logits = self.model.restrict(self.target.logits(hidden, self.head_dtype, self.vocab))  # [B, k, V]
+        logits = self.target.logits(hidden, self.head_dtype, self.drafted_ids())  # [B, k, V]
         return DraftProposal.chain(*rows.draw(logits, self.greedy_draft or rows.all_greedy))

@@ -176,10 +176,6 @@ class BlockDraftModel(nn.Module):
             raise ValueError(f"t2d must be a non-empty bool mask of shape [{self.cfg.vocab_size}]")
         self.t2d = None if t2d is None else t2d.clone().to(self.fc.weight.device)
 
-    def restrict(self, logits: Tensor) -> Tensor:
-        """Logits [..., V] with tokens outside the draft vocabulary at -inf (as-is without one)."""
-        return logits if self.t2d is None else logits.masked_fill(~self.t2d, float("-inf"))
-
     def rope(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.rotary(x, positions)
 

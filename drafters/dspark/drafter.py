@@ -96,7 +96,7 @@ class DSparkDrafter(BlockDrafter):
         if self.scheduler and self._skip(state, k):
             return DraftProposal.empty(B, self.target.device)
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
-        base = self.model.restrict(self.target.logits(hidden, self.head_dtype, self.vocab))  # [B, k, V]
+        base = self.target.logits(hidden, self.head_dtype, self.drafted_ids())  # [B, k, V]
         greedy = self.greedy_draft or rows.all_greedy
         u = rows.draft_uniform(k)  # drawn when greedy too: the drafter's stream advances alike
         tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)
