@@ -29,6 +29,7 @@ import copy
 import inspect
 import math
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -441,19 +442,21 @@ class Target:
 
     def _head_copy(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The head's weight (and bias) in ``dtype``, only the rows ``vocab`` names when given: made
-        once per (dtype, vocab tensor) and again if the weight changes."""
+        once per (dtype, vocab tensor), again if the weight changes, dropped with the vocab tensor."""
         head = self.lm_head
         bias = getattr(head, "bias", None)
         key = (dtype, head.weight.data_ptr(), head.weight._version, head.weight.device)
         slot = (dtype, None if vocab is None else id(vocab))
         cached = self._head_copies.get(slot)
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] != key or (vocab is not None and cached[3]() is not vocab):
+            for old in [s for s, c in self._head_copies.items() if c[3] is not None and c[3]() is None]:
+                del self._head_copies[old]  # a drafter's vocabulary nobody holds any more: its rows go too
             with torch.no_grad():
                 w, b = head.weight.detach(), None if bias is None else bias.detach()
                 if vocab is not None:
                     w, b = w[vocab.to(w.device)], None if b is None else b[vocab.to(w.device)]
-                # the vocab tensor is held with its copy, so its id names no other tensor while cached
-                cached = (key, w.to(dtype).contiguous(), None if b is None else b.to(dtype), vocab)
+                cached = (key, w.to(dtype).contiguous(), None if b is None else b.to(dtype),
+                          None if vocab is None else weakref.ref(vocab))
             self._head_copies[slot] = cached
         return cached[1], cached[2]
 

@@ -145,3 +145,18 @@ def test_block_drafters_read_only_their_checkpoints_draft_vocabulary_rows(target
     mapped.model.set_draft_vocab(torch.arange(target.vocab_size) == 30)
     with pytest.raises(ValueError, match="no id of the token map"):
         mapped.drafted_ids()
+
+
+def test_the_rows_copy_goes_with_the_vocabulary_that_asked_for_it():
+    """Drafters come and go over one target: a copy of head rows lives as long as its vocabulary."""
+    import gc
+
+    target = Target(tiny_model("llama", vocab_size=32, init_scale=0.3, seed=0))
+    hidden = torch.randn(1, 1, target.hidden_size)
+    for n in range(3, 8):
+        target.logits(hidden, vocab=torch.arange(n))  # each vocabulary dropped right after
+        gc.collect()
+    kept = torch.arange(4)
+    target.logits(hidden, vocab=kept)
+    rows = [c[1].shape[0] for c in target._head_copies.values()]
+    assert rows == [4]
