@@ -8,10 +8,9 @@ than the weights it reads. ``F.scaled_dot_product_attention(..., enable_gqa=True
 same values from the unrepeated heads (a 5-token forward there: 176 → 143 ms; docs/roofline.md).
 Better still, the query heads that share a KV head can be one block of rows over it (``group × m``
 queries, the mask repeated per head): SDPA then reads each KV head once for the whole group and
-multiplies taller blocks, as flash-decoding kernels pack a GQA group. On this CPU (SmolLM2's 9 query
-heads over 3) that took one layer's attention for one query (decoding: transformers' own call
-already skips the copy) from 98 to 63 µs over 1k cached tokens and from 539 to 386 µs over 4k, and
-for a masked block of five from 1,003 to 745 µs over 4k (``enable_gqa``).
+multiplies taller blocks, as flash-decoding kernels pack a GQA group. At 4k tokens of context that
+took a 1-token forward of SmolLM2-135M from 92.6 to 85.5 ms and a 5-token one from 139.0 to 126.3
+ms (the roofline's ``library_gqa`` beside ``library``, docs/roofline.md).
 
 :func:`install` wraps the ``"sdpa"`` entry of transformers' attention registry (its public
 ``AttentionInterface``) once per process: inside :func:`grouped` (the target's own forward enters
