@@ -79,13 +79,16 @@ class _FewRowForward:
         self.module = module
 
     def __call__(self, x: Tensor) -> Tensor:
-        w, b = self.module.weight, self.module.bias
+        module = self.module
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         how = _PLAN.get().get(rows)
-        if (how is None or w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != torch.float32
+        if how is None:  # the common case (one row a step): straight to the layer's own product
+            return F.linear(x, module.weight, module.bias)
+        w = module.weight
+        if (w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != torch.float32
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return F.linear(x, w, b)
-        return _product(how, x.reshape(rows, x.shape[-1]), self.module).view(*x.shape[:-1], w.shape[0])
+            return F.linear(x, w, module.bias)
+        return _product(how, x.reshape(rows, x.shape[-1]), module).view(*x.shape[:-1], w.shape[0])
 
 
 def _product(how: str, flat: Tensor, module: nn.Linear) -> Tensor:

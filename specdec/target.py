@@ -290,7 +290,7 @@ class Target:
     def kv_cache(self, store: KVStore) -> StoreCache:
         """``store`` as the cache object the target's layer modules take (a transformers ``Cache``
         whose layer ``i`` writes into the store's layer ``i``)."""
-        return StoreCache(store)
+        return StoreCache(store, compiled=self._compiled)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise every submodule of ``module`` the way the target's model initialises its own."""

@@ -32,7 +32,6 @@ class _StoreLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         pass  # the store allocates on its first write
 
-    @torch.compiler.disable  # a compiled target (Target(compile=True)) writes in eager: the store's buffers are inference tensors
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.store.write(self.index, key_states, value_states)
 
@@ -46,8 +45,18 @@ class _StoreLayer(CacheLayerMixin):
         return -1
 
 
-class StoreCache(Cache):
-    """A transformers ``Cache`` over every layer of ``store``."""
+class _EagerWritesLayer(_StoreLayer):
+    """A store layer for a compiled target (``Target(compile=True)``): its writes run in eager, the
+    store's buffers being inference tensors. Only there: the guard costs a little on every call."""
 
-    def __init__(self, store: KVStore):
-        super().__init__(layers=[_StoreLayer(store, i) for i in range(store.num_layers)])
+    @torch.compiler.disable
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.store.write(self.index, key_states, value_states)
+
+
+class StoreCache(Cache):
+    """A transformers ``Cache`` over every layer of ``store`` (``compiled``: for a compiled decoder)."""
+
+    def __init__(self, store: KVStore, compiled: bool = False):
+        layer = _EagerWritesLayer if compiled else _StoreLayer
+        super().__init__(layers=[layer(store, i) for i in range(store.num_layers)])
