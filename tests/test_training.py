@@ -309,6 +309,79 @@ def test_mtp_training_logits_are_the_drafters(tiny_target):
     torch.testing.assert_close(q[0, 0], logits.softmax(-1), atol=1e-5, rtol=1e-4)
 
 
+def test_mtp_kl_loss_is_the_forward_kl_to_the_targets_own_next_distribution(tiny_target):
+    """``kl``: depth d at slot i learns the target's distribution of t_{i+d+1}, taken from the
+    target's own logits at position i+d (a forward pass, not the features), and its accuracy is
+    agreement of the two argmaxes."""
+    from specdec.drafters.mtp.train import mtp_loss
+
+    drafter = DRAFTERS["mtp"].tiny(tiny_target, depth=2)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, V, (2, 11), generator=g)
+    final = target_features(tiny_target, tokens, ())["final"]
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    mask[0, :4] = False
+    drafts: list[torch.Tensor] = []
+    record = lambda h: drafts.append(tiny_target.logits(h)) or drafts[-1]  # noqa: E731
+    r = mtp_loss(tokens, final, drafter.modules, tiny_target.embed, record, tiny_target.rotary, mask, lam=0.3,
+                 kl=True)
+    with torch.no_grad():
+        target_logits = tiny_target.model(tokens).logits.float()
+    assert len(drafts) == 4  # per depth: the module's logits, then the head over the target's hidden (the label)
+    for d, q in enumerate(drafts[0::2], start=1):
+        q = q.detach()
+        n = tokens.shape[1] - d - 1
+        p = target_logits[:, d: d + n].softmax(-1)
+        m = mask[:, d + 1: d + 1 + n]
+        kl = (p * (p.log() - q.float().log_softmax(-1))).sum(-1)
+        assert r.mtp_ce[d - 1] == pytest.approx(float((kl * m).sum() / m.sum()), rel=1e-4, abs=1e-6)
+        agree = (q.argmax(-1) == p.argmax(-1)) & m
+        assert r.mtp_acc[d - 1] == pytest.approx(float(agree.sum() / m.sum()))
+    assert float(r.loss.detach()) == pytest.approx(0.3 / 2 * sum(r.mtp_ce), rel=1e-5)
+
+
+def test_mtp_recipe_over_a_draft_vocabulary_reads_those_rows_and_counts_labels_inside(tiny_target, tmp_path):
+    from specdec.draft_vocab import save_token_map
+    from specdec.drafters.mtp.train import mtp_loss
+
+    ranked = torch.tensor([7, 3, 30, 12, 0, 19, 25, 4, 9, 1])
+    save_token_map(tmp_path / "map.safetensors", ranked)
+    recipe = load_recipe(RECIPES["mtp"][0], dict(depth=1, token_map=str(tmp_path / "map.safetensors"), draft_vocab=8))
+    modules = recipe.build(tiny_target, None)  # type: ignore[arg-type]
+    vocab = ranked[:8].sort().values
+    torch.testing.assert_close(recipe.head, tiny_target.lm_head.weight.detach()[vocab].float())
+    tokens = torch.tensor([[7, 3, 30, 12, 5, 0, 19, 25, 6, 4, 9, 7]])
+    final = target_features(tiny_target, tokens, ())["final"]
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    r = mtp_loss(tokens, final, modules, tiny_target.embed, lambda h: torch.nn.functional.linear(h, recipe.head),
+                 tiny_target.rotary, mask, vocab_index=recipe.vocab_index)
+    full = mtp_loss(tokens, final, modules, tiny_target.embed,
+                    lambda h: tiny_target.logits(h).masked_fill(~torch.isin(torch.arange(V), vocab), -1e9),
+                    tiny_target.rotary, mask & torch.isin(tokens, vocab))  # labels 5 and 6 are outside: not counted
+    assert r.mtp_ce == pytest.approx(full.mtp_ce, rel=1e-5) and r.mtp_acc == pytest.approx(full.mtp_acc)
+    for bad, err in ((dict(loss="mse"), ValueError), (dict(draft_vocab=4), ValueError),
+                     (dict(token_map=[1, 2]), TypeError), (dict(token_map="x", draft_vocab="4"), TypeError)):
+        with pytest.raises(err):
+            load_recipe(RECIPES["mtp"][0], bad)
+
+
+def test_mtp_recipe_trains_with_the_kl_loss_over_a_draft_vocabulary(tiny_target, tmp_path, cache):
+    """End to end: the KL recipe over a draft vocabulary trains, its held-out figures are KL, and the
+    checkpoint drafts losslessly through the drafter over the same vocabulary."""
+    from specdec.draft_vocab import save_token_map
+
+    save_token_map(tmp_path / "map.safetensors", torch.arange(V - 1, -1, -1))
+    opts = dict(depth=1, loss="kl", token_map=str(tmp_path / "map.safetensors"), draft_vocab=24)
+    cfg = tiny_config(tmp_path, "mtp", options=opts, optim=OptimConfig(steps=3, batch=2, lr=5e-3))
+    result = train(cfg, target=tiny_target)
+    assert "mtp_kl" in result.record.held_out and result.record.held_out["loss"] > 0
+    drafter = DRAFTERS["mtp"].create(tiny_target, checkpoint=cfg.out, token_map=opts["token_map"], draft_vocab=24)
+    prompt = [1, 2, 3, 4, 5]
+    res = run(tiny_target, drafter, GreedyVerifier(), [Request(prompt, 8)], k=2, eos_token_ids=set())
+    ref, logits = greedy_reference(tiny_target.model, prompt, 8)
+    assert_greedy_equivalent(res.requests[0].tokens, ref, logits)
+
+
 def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
     cfg = tiny_config(tmp_path, "dspark")
     result = train(cfg, command="python experiments/train.py --config-name smollm2_dspark optim.steps=2",

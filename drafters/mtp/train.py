@@ -7,7 +7,10 @@ Depth ``d`` at slot ``i`` reads ``emb(t_{i+d})`` and depth ``d-1``'s representat
 
 - :class:`PostHocMTPRecipe`: MTP modules for a frozen target that has none (only the MTP loss).
   ``eh_proj`` starts as ``[0 | I]``, so a module first echoes the target's own prediction. Saved as
-  ``model.layers.{L+d}.*`` plus the target's config with ``num_nextn_predict_layers``.
+  ``model.layers.{L+d}.*`` plus the target's config with ``num_nextn_predict_layers``. Options
+  ``loss: kl`` (forward KL to the target's own distribution instead of CE on the corpus's tokens)
+  and ``token_map``/``draft_vocab`` (both softmaxes over the drafter's draft vocabulary: the head
+  is most of a step's cost, and the drafter drafts over those ids anyway).
 - :class:`JointMTPRecipe`: a small DeepSeek-V3 (MLA + MoE) trained from scratch jointly with its
   ``D`` modules, on offline text (``data.source: stdlib``, a BPE tokenizer trained on the training
   files). Saved in the real DeepSeek-V3 layout: ``config.json`` with ``num_nextn_predict_layers``,
@@ -28,10 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.drafters.mtp.checkpoint import load_mtp_modules, save_mtp_checkpoint
+from specdec.draft_vocab import draft_vocabulary
 from specdec.drafters.mtp.drafter import build_mtp_modules
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
+from specdec.validate import as_int
 
 __all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
            "JointMTPRecipe", "TINY_DEEPSEEK_V3"]
@@ -52,9 +57,9 @@ Fn = Callable[[Tensor], Tensor]
 class MTPLoss:
     loss: Tensor
     main_ce: float
-    mtp_ce: list[float]  # per depth
+    mtp_ce: list[float]  # per depth (the KL under ``kl``)
     main_acc: float
-    mtp_acc: list[float]  # top-1 accuracy per depth
+    mtp_acc: list[float]  # top-1 accuracy per depth (agreement with the target's argmax under ``kl``)
 
 
 def label_mask(batch: Batch) -> Tensor:
@@ -70,12 +75,28 @@ def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
     return (ce * mask).sum() / n, float(((logits.argmax(-1) == labels) & mask).sum() / n)
 
 
+def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+    """Masked mean forward KL(p ‖ softmax(logits)) over [B, n, V], and how often the two argmaxes
+    agree (what greedy verification accepts)."""
+    logq = logits.float().log_softmax(-1)
+    kl = (p * (p.clamp(min=1e-30).log() - logq)).sum(-1)
+    n = mask.sum().clamp(min=1)
+    return (kl * mask).sum() / n, float(((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / n)
+
+
 def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,
              rotary: Callable[[Tensor, Tensor], Any], mask: Tensor, lam: float = 0.3,
-             main_logits: Tensor | None = None, chain_hidden: str = "normed") -> MTPLoss:
+             main_logits: Tensor | None = None, chain_hidden: str = "normed", kl: bool = False,
+             vocab_index: Tensor | None = None) -> MTPLoss:
     """DeepSeek-V3's main + MTP loss on ``tokens`` [B, T] whose post-norm final hidden state is
     ``hidden`` [B, T, D]; ``mask`` [B, T] marks the tokens that count as labels. ``main_logits``
-    [B, T, V] adds the main CE (None: a frozen target, MTP loss only)."""
+    [B, T, V] adds the main CE (None: a frozen target, MTP loss only).
+
+    ``kl``: each depth's label is the frozen target's own distribution there, ``softmax(head(hidden))``
+    one slot earlier, not the sequence's token (forward KL, as speculators and SpecForge train
+    drafters; the sampled thirds of a corpus then teach the distribution, not one draw of it).
+    ``vocab_index`` [V]: where ``head`` gives logits over a draft vocabulary only, each token's
+    place in it (-1 outside); CE labels outside it do not count."""
     T, D = hidden.shape[1], len(modules)
     total = hidden.new_zeros((), dtype=torch.float32)
     main_ce = main_acc = 0.0
@@ -88,7 +109,18 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
         pos = torch.arange(d, d + n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
         emb = embed(tokens[:, d: d + n])
         residual, normed = module(emb, prev[:, :n], rotary(emb, pos), pos)  # no mask: causal
-        ce, acc = _ce(head(normed), tokens[:, d + 1: d + 1 + n], mask[:, d + 1: d + 1 + n])
+        logits, m = head(normed), mask[:, d + 1: d + 1 + n]
+        if kl:
+            with torch.no_grad():
+                p = head(hidden[:, d: d + n]).float().softmax(-1)
+            ce, acc = _kl(logits, p, m)
+        else:
+            labels = tokens[:, d + 1: d + 1 + n]
+            if vocab_index is not None:
+                labels = vocab_index[labels]
+                m = m & (labels >= 0)
+                labels = labels.clamp(min=0)
+            ce, acc = _ce(logits, labels, m)
         ces.append(float(ce.detach()))
         accs.append(acc)
         total = total + lam / D * ce
@@ -96,8 +128,8 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
     return MTPLoss(total, main_ce, ces, main_acc, accs)
 
 
-def _step_output(r: MTPLoss, joint: bool) -> StepOutput:
-    metrics: dict[str, Any] = {"mtp_ce": r.mtp_ce, "accept": r.mtp_acc}
+def _step_output(r: MTPLoss, joint: bool, kl: bool = False) -> StepOutput:
+    metrics: dict[str, Any] = {"mtp_kl" if kl else "mtp_ce": r.mtp_ce, "accept": r.mtp_acc}
     if joint:
         metrics.update(main_ce=r.main_ce, main_acc=r.main_acc)
     return StepOutput(r.loss, metrics)
@@ -107,6 +139,18 @@ def _step_output(r: MTPLoss, joint: bool) -> StepOutput:
 class PostHocMTPOptions:
     depth: int = 1  # MTP modules D
     lam: float = 0.3  # MTP loss weight λ
+    loss: str = "ce"  # "ce": DeepSeek-V3's, on the sequence's tokens; "kl": forward KL to the target's distribution
+    token_map: str = ""  # softmaxes over this token map's ids only (specdec.draft_vocab), as the drafter drafts
+    draft_vocab: int = 0  # ... its first this many (0: all)
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("ce", "kl"):
+            raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+        if not isinstance(self.token_map, str):
+            raise TypeError(f"token_map must be a token map file's path, got {type(self.token_map).__name__}")
+        as_int("draft_vocab", self.draft_vocab, minimum=0)
+        if self.draft_vocab and not self.token_map:
+            raise ValueError(f"draft_vocab={self.draft_vocab} needs a token_map (the ranked ids it takes the first of)")
 
 
 class PostHocMTPRecipe(Recipe):
@@ -129,15 +173,21 @@ class PostHocMTPRecipe(Recipe):
             for m in modules:
                 m.eh_proj.weight.zero_()
                 m.eh_proj.weight[:, H:] = torch.eye(H, device=m.eh_proj.weight.device)
-        self.target, self.head = target, head_rows(target)
+        o = self.options
+        vocab = draft_vocabulary(o.token_map or None, o.draft_vocab, target.vocab_size)
+        self.target, self.head, self.vocab_index = target, head_rows(target, vocab), None
+        if vocab is not None:
+            self.vocab_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            self.vocab_index[vocab] = torch.arange(vocab.numel())
         return modules
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleList)
         t = self.target
         r = mtp_loss(batch.tokens, batch.features["final"].float(), model, lambda ids: t.embed(ids).float(),
-                     lambda h: F.linear(h, self.head), t.rotary, label_mask(batch), self.options.lam)
-        return _step_output(r, joint=False)
+                     lambda h: F.linear(h, self.head), t.rotary, label_mask(batch), self.options.lam,
+                     kl=self.options.loss == "kl", vocab_index=self.vocab_index)
+        return _step_output(r, joint=False, kl=self.options.loss == "kl")
 
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, nn.ModuleList)
