@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F_
 from safetensors.torch import save_file
 
 from specdec.drafters.dflash.drafter import DFlashDrafter
@@ -226,6 +227,44 @@ def test_training_blocks_see_only_context_before_their_anchor(target):
                                                             batch.response_start), anchors, keep).loss
     torch.testing.assert_close(base, same)
     assert not torch.allclose(base, moved)
+
+
+def test_kl_loss_learns_the_targets_own_distribution_where_each_draft_is_verified(target):
+    """``kl``: block position j of the block at anchor a learns softmax(lm_head(final[a + j − 1])),
+    the target's distribution of x_{a+j}, whatever token the sequence holds there; weighted as CE is."""
+    from specdec.drafters.dflash.train import BlockBatch, DFlashOptions, block_loss, block_predictions
+
+    d = DFlashDrafter.tiny(target)
+    cfg, T = d.cfg, 14
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, target.vocab_size - 1, (1, T), generator=gen)
+    feats = torch.randn(1, T, len(cfg.target_layer_ids) * cfg.hidden_size, generator=gen)
+    final = torch.randn(1, T, cfg.hidden_size, generator=gen)
+    batch = BlockBatch(tokens, feats, final, torch.tensor([T]), torch.tensor([2]))
+    embed, head = target.embed_tokens, target.lm_head.weight
+    anchors, keep = torch.tensor([[3, 9]]), torch.ones(1, 2, dtype=torch.bool)
+    with torch.no_grad():
+        out = block_loss(d.model, embed, head, batch, anchors, keep, kl=True)
+        p = block_predictions(d.model, embed, head, batch, anchors, keep)
+        other = tokens.clone()
+        labels_only = torch.tensor([4, 5, 6, 7, 8, 10, 11, 12, 13])  # not the anchors (the blocks' inputs)
+        other[0, labels_only] = (other[0, labels_only] + 1) % (target.vocab_size - 1)  # same target distributions
+        again = block_loss(d.model, embed, head, BlockBatch(other, feats, final, batch.lengths, batch.response_start),
+                           anchors, keep, kl=True)
+    num = den = 0.0
+    for i, a in enumerate(anchors[0].tolist()):
+        for j in range(1, cfg.block_size):
+            if a + j >= T:
+                continue
+            p_t = F_.linear(final[0, a + j - 1], head).detach().softmax(-1)
+            q = p.logits[0, i, j - 1].log_softmax(-1)
+            w = float(p.weight[0, i, j - 1])
+            num, den = num + w * float((p_t * (p_t.log() - q)).sum()), den + w
+    assert float(out.loss) == pytest.approx(num / den, rel=1e-4)
+    torch.testing.assert_close(again.loss, out.loss)
+    assert out.metrics["kl"] == pytest.approx(float(out.loss))
+    with pytest.raises(ValueError, match="loss must be"):
+        DFlashOptions(loss="l2")
 
 
 def test_training_forward_equals_the_drafters_block_pass(target):

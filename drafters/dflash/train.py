@@ -44,7 +44,7 @@ from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
-           "BlockOptions", "BlockRecipe", "DFlashRecipe"]
+           "target_distribution", "BlockOptions", "DFlashOptions", "BlockRecipe", "DFlashRecipe"]
 
 Embed = Callable[[Tensor], Tensor]
 
@@ -153,12 +153,32 @@ def per_position(values: Tensor, valid: Tensor) -> list[float]:
     return ((values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)).tolist()
 
 
+def target_distribution(p: BlockPredictions, batch: BlockBatch, head: Tensor) -> Tensor:
+    """The target's own distribution where each draft is verified, ``softmax(head · final[label − 1])``
+    over ``head``'s rows. [B, A, γ, S] float32, no grad"""
+    with torch.no_grad():
+        final = batch.final_hidden
+        B, A, G = p.label_pos.shape
+        at = (p.label_pos - 1).clamp(min=0).view(B, A * G, 1).expand(-1, -1, final.shape[-1])
+        rows = final.gather(1, at).view(B, A, G, -1).to(p.hidden.dtype)
+        return F.linear(rows, head.to(p.hidden.dtype)).float().softmax(-1)
+
+
 def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
-               gamma: float = 4.0, vocab: Tensor | None = None) -> StepOutput:
-    """The DFlash loss over all anchors at once; ``accept`` is the top-1 match rate per position."""
+               gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False) -> StepOutput:
+    """The DFlash loss over all anchors at once: weighted CE against the sequence's tokens, or with
+    ``kl`` forward KL to the target's own distribution there (the sampled answers of a corpus then
+    teach the distribution, not one draw of it). ``accept``: the top-1 match rate per position, with
+    the sequence's token (CE) or with the target's argmax (KL: what greedy verification accepts)."""
     p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
-    ce = weighted_ce(p, p.logits)
-    return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
+    if not kl:
+        ce = weighted_ce(p, p.logits)
+        return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
+    p_t = target_distribution(p, batch, head)
+    div = (p_t * (p_t.clamp(min=1e-30).log() - p.logits.log_softmax(-1))).sum(-1)
+    loss = (div * p.weight).sum() / p.weight.sum().clamp(min=1e-6)
+    return StepOutput(loss, {"kl": float(loss.detach()),
+                             "accept": per_position((p.logits.argmax(-1) == p_t.argmax(-1)).float(), p.valid)})
 
 
 @dataclass
@@ -258,13 +278,24 @@ class BlockRecipe(Recipe):
         copy_weights(model, state, folder)
 
 
+@dataclass
+class DFlashOptions(BlockOptions):
+    loss: str = "ce"  # "ce": on the sequence's tokens; "kl": forward KL to the target's distribution
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("ce", "kl"):
+            raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+
+
 class DFlashRecipe(BlockRecipe):
     """A DFlash block drafter for a frozen target."""
 
-    Options = BlockOptions
+    Options = DFlashOptions
+    options: DFlashOptions
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, BlockDraftModel)
         bb = self.block_batch(batch)
         anchors, keep = self.anchors(model, bb, gen)
-        return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab)
+        return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
+                          kl=self.options.loss == "kl")

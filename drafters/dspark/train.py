@@ -30,6 +30,7 @@ from specdec.drafters.dflash.train import (
     Embed,
     block_predictions,
     per_position,
+    target_distribution,
     weighted_ce,
 )
 from specdec.drafters.dspark.heads import calibrate_temperatures, expected_calibration_error
@@ -51,11 +52,7 @@ def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatc
     if bias is not None:
         logits = logits + bias.float()
     ce = weighted_ce(p, logits)
-    with torch.no_grad():  # the target's distribution where each draft is verified: lm_head(final[label − 1])
-        final = batch.final_hidden
-        B, A, G = p.label_pos.shape
-        at = (p.label_pos - 1).clamp(min=0).view(B, A * G, 1).expand(-1, -1, final.shape[-1])
-        p_t = F.linear(final.gather(1, at).view(B, A, G, -1).to(p.hidden.dtype), head.to(p.hidden.dtype)).float().softmax(-1)
+    p_t = target_distribution(p, batch, head)
     tv = (logits.softmax(-1) - p_t).abs().sum(-1)  # [B, A, γ] = 2·total variation
     wsum = p.weight.sum().clamp(min=1e-6)
     l1 = (tv * p.weight).sum() / wsum
