@@ -10,8 +10,9 @@ Blocks never see each other, so all ``A`` blocks of a sequence run as one masked
 cross-entropy weighted ``exp(−(j−1)/γ)`` (the first draft weighs 1). DSpark's anchor predicts too
 and its loss adds its heads' terms on the same :func:`block_predictions`.
 
-Labels are the sequence's own tokens: the training data is the target's greedy output
-(:mod:`specdec.training.data`), so in the response they are the target's argmax. Softmaxes (draft
+Labels are the sequence's own tokens: the target's own answers (:mod:`specdec.training.data`), its
+argmax where they were decoded greedily and draws from it where sampled. With ``loss: kl`` the label
+is the target's distribution itself (forward KL, :func:`target_distribution`). Softmaxes (draft
 and target) run over the tokens the training data uses (``vocab``; 9,333 of SmolLM2's 49,152):
 the LM head is most of a step's cost. The checkpoint stores that set as the draft vocabulary
 ``t2d`` ([V] bool), masked into the logits at inference, since the other rows were never trained
