@@ -474,3 +474,23 @@ def test_second_turns_follow_the_methods_own_answer():
     assert encode_turn(T(), s, 0, [], chat=True) == [5]
     assert encode_turn(T(), s, 1, ["an answer"], chat=True) == [5, 9, 8]  # user, assistant, user
     assert encode_turn(T(), s, 1, ["an answer"], chat=False) == [len("hello\n\nan answer\n\nand more")]
+
+
+def test_acceptance_script_measures_a_presets_methods_on_held_out_prompts_only(target):
+    """experiments/acceptance.py: a row per method and k with its acceptance per depth, outputs equal
+    to autoregressive decoding's; only the held-out MT-bench questions are accepted as prompts."""
+    acc = _load("specdec_experiments_acceptance", EXP / "acceptance.py")
+    methods = acc.preset_methods("smollm2_longer")
+    assert {d for d, _ in methods.values()} == {"eagle3", "mtp", "gemma_mtp", "dflash", "dspark"}
+    assert methods["mtp_part2"][1]["draft_vocab"] == 8192
+    prompts = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2, 9, 9, 2, 9, 9, 2]]
+    rows = acc.acceptance(target, {"ngram": ("ngram", {}), "suffix": ("suffix", {})}, prompts, [1, 3], 10)
+    assert [(r["method"], r["k"]) for r in rows] == [("ngram", 1), ("ngram", 3), ("suffix", 1), ("suffix", 3)]
+    for r in rows:
+        assert r["identical"] == 2 and 1 <= len(r["acceptance_at"]) <= r["k"] and r["mean_accepted_length"] >= 1.0
+        assert r["steps"] >= r["new_tokens"] / (r["k"] + 1)
+    assert "| ngram | ngram | 3 |" in acc.markdown(rows, "header")
+    with pytest.raises(ValueError, match="held out"):
+        acc.held_out_prompts(target, 41)
+    with pytest.raises(ValueError, match="no methods"):
+        acc.preset_methods("config")
