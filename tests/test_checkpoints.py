@@ -70,7 +70,7 @@ class Case:
 CASES: dict[str, Case] = {
     "smollm2-135m-eagle3": Case("eagle3", floors=(0.25, 0.11, 0.04, 0.02), mal_floor=1.43,
                                 options=dict(tree="chain")),  # 0.312 0.140 0.054 0.032, length 1.538
-    "smollm2-135m-dspark": Case("dspark", floors=(0.08, 0.0, 0.0, 0.0), mal_floor=1.08),  # 0.111 0.008 0 0, 1.119
+    "smollm2-135m-dspark": Case("dspark", floors=(0.17, 0.02, 0.0, 0.0), mal_floor=1.19),  # 0.217 0.026 0 0, 1.243
     "tiny-deepseek-v3-mtp": Case("mtp", floors=(0.48, 0.38, 0.31, 0.24), mal_floor=2.2, on_smollm2=False,
                                  options=dict(policy="cycle"), prompts=heldout_prompts,
                                  max_new_tokens=32),  # 0.61 0.48 0.39 0.30, length 2.78
