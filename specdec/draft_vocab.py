@@ -26,7 +26,8 @@ from torch import Tensor
 
 from specdec.validate import as_int
 
-__all__ = ["token_counts", "rank_tokens", "save_token_map", "read_token_map", "draft_vocabulary", "coverage"]
+__all__ = ["token_counts", "rank_tokens", "save_token_map", "read_token_map", "draft_vocabulary", "vocab_positions",
+           "coverage"]
 
 KEY = "token_ids"
 
@@ -91,6 +92,14 @@ def draft_vocabulary(token_map: str | Path | Sequence[int] | Tensor | None, size
     if bool((kept[1:] == kept[:-1]).any()):
         raise ValueError("token_map ids must be distinct")
     return kept
+
+
+def vocab_positions(ids: Tensor, vocab_size: int) -> Tensor:
+    """Each target token's place in the draft vocabulary ``ids`` [S] (-1 outside it), on ``ids``'s
+    device: maps labels to the columns of logits over those rows. [vocab_size] int64"""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    index[ids] = torch.arange(ids.numel(), device=ids.device)
+    return index
 
 
 def coverage(counts: Tensor, ids: Tensor) -> float:

@@ -327,8 +327,8 @@ def test_mtp_kl_loss_is_the_forward_kl_to_the_targets_own_next_distribution(tiny
                  kl=True)
     with torch.no_grad():
         target_logits = tiny_target.model(tokens).logits.float()
-    assert len(drafts) == 4  # per depth: the module's logits, then the head over the target's hidden (the label)
-    for d, q in enumerate(drafts[0::2], start=1):
+    assert len(drafts) == 3  # the head over the target's hidden once (the labels of every depth), then each depth's
+    for d, q in enumerate(drafts[1:], start=1):
         q = q.detach()
         n = tokens.shape[1] - d - 1
         p = target_logits[:, d: d + n].softmax(-1)

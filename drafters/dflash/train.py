@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.draft_vocab import vocab_positions
 from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
            "target_distribution", "BlockOptions", "DFlashOptions", "BlockRecipe", "DFlashRecipe"]
@@ -134,9 +135,7 @@ def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch:
     if vocab is None:
         labels = tokens
     else:  # labels as indices into the subset; -1 outside it
-        index = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
-        index[vocab] = torch.arange(vocab.numel(), device=dev)
-        labels = index[tokens]
+        labels = vocab_positions(vocab.to(dev), cfg.vocab_size)[tokens]
     valid = valid & (labels >= 0)
     w = torch.exp(-torch.arange(n_draft, dtype=torch.float32, device=dev) / gamma) * valid.float()
     return BlockPredictions(h, F.linear(h, head.to(h.dtype)).float(), labels.clamp(min=0), safe, prev, valid, w)
@@ -176,7 +175,7 @@ def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockB
         ce = weighted_ce(p, p.logits)
         return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
     p_t = target_distribution(p, batch, head)
-    div = (p_t * (p_t.clamp(min=1e-30).log() - p.logits.log_softmax(-1))).sum(-1)
+    div = forward_kl(p.logits, p_t)
     loss = (div * p.weight).sum() / p.weight.sum().clamp(min=1e-6)
     return StepOutput(loss, {"kl": float(loss.detach()),
                              "accept": per_position((p.logits.argmax(-1) == p_t.argmax(-1)).float(), p.valid)})

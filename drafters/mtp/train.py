@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.draft_vocab import draft_vocabulary, vocab_positions
 from specdec.drafters.mtp.checkpoint import load_mtp_modules, save_mtp_checkpoint
-from specdec.draft_vocab import draft_vocabulary
 from specdec.drafters.mtp.drafter import build_mtp_modules
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows
 from specdec.validate import as_int
 
 __all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
@@ -78,8 +78,7 @@ def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
 def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, float]:
     """Masked mean forward KL(p ‖ softmax(logits)) over [B, n, V], and how often the two argmaxes
     agree (what greedy verification accepts)."""
-    logq = logits.float().log_softmax(-1)
-    kl = (p * (p.clamp(min=1e-30).log() - logq)).sum(-1)
+    kl = forward_kl(logits, p)
     n = mask.sum().clamp(min=1)
     return (kl * mask).sum() / n, float(((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / n)
 
@@ -103,6 +102,9 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
     if main_logits is not None:
         ce, main_acc = _ce(main_logits[:, :-1], tokens[:, 1:], mask[:, 1:])
         total, main_ce = total + ce, float(ce.detach())
+    if kl:  # the target's distribution after every slot, once for all depths
+        with torch.no_grad():
+            target_p = head(hidden).float().softmax(-1)
     prev, ces, accs = hidden, [], []
     for d, module in enumerate(modules, start=1):
         n = T - d - 1  # slots 0..T-d-2 have a label t_{i+d+1}
@@ -111,9 +113,7 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
         residual, normed = module(emb, prev[:, :n], rotary(emb, pos), pos)  # no mask: causal
         logits, m = head(normed), mask[:, d + 1: d + 1 + n]
         if kl:
-            with torch.no_grad():
-                p = head(hidden[:, d: d + n]).float().softmax(-1)
-            ce, acc = _kl(logits, p, m)
+            ce, acc = _kl(logits, target_p[:, d: d + n], m)
         else:
             labels = tokens[:, d + 1: d + 1 + n]
             if vocab_index is not None:
@@ -177,8 +177,7 @@ class PostHocMTPRecipe(Recipe):
         vocab = draft_vocabulary(o.token_map or None, o.draft_vocab, target.vocab_size)
         self.target, self.head, self.vocab_index = target, head_rows(target, vocab), None
         if vocab is not None:
-            self.vocab_index = torch.full((target.vocab_size,), -1, dtype=torch.long)
-            self.vocab_index[vocab] = torch.arange(vocab.numel())
+            self.vocab_index = vocab_positions(vocab, target.vocab_size)
         return modules
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData
 
-__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "copy_weights"]
+__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "forward_kl", "copy_weights"]
 
 Metric = float | list[float]
 
@@ -95,6 +95,12 @@ def head_rows(target: Target, ids: Tensor | None = None) -> Tensor:
         raise ValueError("this target soft-caps its logits: a restricted LM head would not give them")
     w = target.lm_head.weight.detach()
     return (w if ids is None else w[ids]).float()
+
+
+def forward_kl(logits: Tensor, p: Tensor) -> Tensor:
+    """KL(p ‖ softmax(logits)) per position over the last dimension: a drafter learning the target's
+    own distribution ``p`` (float32, no grad), as speculators and SpecForge train. [...]"""
+    return (p * (p.clamp(min=1e-30).log() - logits.float().log_softmax(-1))).sum(-1)
 
 
 def copy_weights(model: nn.Module, state: dict[str, Tensor], folder: Path) -> None:
