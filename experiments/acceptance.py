@@ -21,12 +21,12 @@ from omegaconf import OmegaConf
 
 import specdec
 from specdec.api import load_target, make_drafter
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import load_dataset
 from specdec.eval.runner import encode_turn
 from specdec.provenance import git_sha
 from specdec.target import Target
-from specdec.training.data import HELD_OUT
+from specdec.data.datasets import HELD_OUT
 
 ROOT = Path(__file__).resolve().parent
 Method = tuple[str, dict[str, Any]]  # (registered drafter, its options)

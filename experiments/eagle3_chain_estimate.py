@@ -21,8 +21,8 @@ import torch
 import specdec
 from specdec.drafters.eagle3.drafter import Eagle3Drafter
 from specdec.drafters.eagle3.train import ttt_loss
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import load_dataset
 from specdec.target import Target
 from specdec.training.data import FeatureSeq, target_features
 from specdec.training.recipe import head_rows

@@ -1,4 +1,4 @@
-"""Grow the training corpus: the target's own greedy and sampled answers (specdec.training.corpus).
+"""Grow the training corpus: the target's own greedy and sampled answers (specdec.data.corpus).
 
     python experiments/generate_corpus.py --num-prompts 8192 --threads 1
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import specdec
-from specdec.training.corpus import corpus_stats, generate_corpus
+from specdec.data.corpus import corpus_stats, generate_corpus
 
 ROOT = Path(__file__).resolve().parent
 

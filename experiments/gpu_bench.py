@@ -485,7 +485,7 @@ def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     """The committed tiny DeepSeek-V3 with its MTP modules: real, learned acceptance."""
     from specdec.api import load_target
     from specdec.drafters.mtp.drafter import MTPDrafter
-    from specdec.eval.datasets import stdlib_files
+    from specdec.data.datasets import stdlib_files
 
     new_tokens, n_prompts = (12, 2) if dry else (64, 4)
     rows = []

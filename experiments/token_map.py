@@ -19,7 +19,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from specdec.draft_vocab import coverage, rank_tokens, save_token_map
-from specdec.training.corpus import corpus_token_counts
+from specdec.data.corpus import corpus_token_counts
 
 ROOT = Path(__file__).resolve().parent
 SIZES = (1024, 2048, 4096, 8192, 16384)

@@ -37,9 +37,9 @@ K = 4
 
 def chat_prompts(target: Target) -> list[list[int]]:
     """The first turns of the first three held-out MT-bench questions, chat-formatted: benchmark items
-    no recipe trains on (the held-out rule, :data:`specdec.eval.datasets.HELD_OUT`)."""
-    from specdec.eval.config import DatasetConfig
-    from specdec.eval.datasets import load_dataset
+    no recipe trains on (the held-out rule, :data:`specdec.data.datasets.HELD_OUT`)."""
+    from specdec.data.config import DatasetConfig
+    from specdec.data.datasets import load_dataset
 
     texts = [s.turns[0] for s in load_dataset(DatasetConfig(name="mtbench", num_prompts=3, turns=1))]
     return [target.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -48,7 +48,7 @@ def chat_prompts(target: Target) -> list[list[int]]:
 
 def heldout_prompts(target: Target) -> list[list[int]]:
     """The first 48 tokens of two held-out standard-library files (the MTP recipes train on the others)."""
-    from specdec.training.text import stdlib_files
+    from specdec.data.text import stdlib_files
 
     return [target.tokenizer.encode(f.read_text())[:48] for f in stdlib_files("heldout")[:2]]
 

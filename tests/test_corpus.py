@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset
-from specdec.training.corpus import TEMPERATURES, corpus_conversations, corpus_stats, generate_corpus, read_corpus
-from specdec.training.data import HELD_OUT
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import load_dataset
+from specdec.data.corpus import TEMPERATURES, corpus_conversations, corpus_stats, generate_corpus, read_corpus
+from specdec.data.datasets import HELD_OUT
 
 
 def test_conversations_hold_out_the_benchmark_items_and_use_later_turns():

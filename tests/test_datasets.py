@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import PACKAGED, load_dataset, packaged_file, random_prompts, read_sharegpt
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import PACKAGED, load_dataset, packaged_file, random_prompts, read_sharegpt
 
 
 def _need(name: str) -> None:
@@ -129,7 +129,7 @@ def test_copy_prompts_are_text_turns():
 
 
 def test_stdlib_prompts_are_held_out_code_cut_to_input_len():
-    from specdec.training.text import stdlib_files
+    from specdec.data.text import stdlib_files
 
     class Bytes:  # a byte-level stand-in tokenizer
         def encode(self, text):

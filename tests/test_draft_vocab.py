@@ -21,8 +21,8 @@ from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.testing import Recording
 from specdec.testing.tiny import tiny_model
-from specdec.training.corpus import corpus_token_counts, read_corpus
-from specdec.training.data import TokenSeq, held_out_seq
+from specdec.data.corpus import corpus_token_counts, read_corpus
+from specdec.data.sequences import TokenSeq, held_out_seq
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "experiments" / "data" / "smollm2-135m"

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
 from specdec.eval.config import (HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig,
                                  VerifierConfig, check_keys)
-from specdec.eval.datasets import load_dataset
+from specdec.data.datasets import load_dataset
 from specdec.drafters import DRAFTERS
 from specdec.loop import LossyVerifierWarning
 from specdec.sampling import SamplingParams
@@ -456,7 +456,7 @@ def test_predicted_speedup_formula():
 
 def test_second_turns_follow_the_methods_own_answer():
     from specdec.eval.runner import encode_turn
-    from specdec.eval.datasets import Sample
+    from specdec.data.datasets import Sample
 
     class Tok:  # a chat-template tokenizer stub: one id per message character count
         chat_template = "stub"

@@ -182,7 +182,7 @@ def trained() -> Target:
 
 
 def _heldout_prompts(target: Target, n: int = 3, length: int = 48) -> list[list[int]]:
-    from specdec.training.text import stdlib_files
+    from specdec.data.text import stdlib_files
 
     files = stdlib_files("heldout")[:n]
     return [target.tokenizer.encode(f.read_text())[:length] for f in files]

@@ -29,28 +29,19 @@ from safetensors.torch import load_file, save_file
 import specdec
 from specdec.drafters import DRAFTERS
 from specdec.drafters.mtp.train import PostHocMTPRecipe
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import load_dataset
 from specdec.loop import Request, run
 from specdec.target import Target
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 from specdec.testing.tiny import tiny_model
 from specdec.training import trainer
 from specdec.training.config import DataConfig, OptimConfig, TrainConfig
-from specdec.training.data import (
-    Batch,
-    HELD_OUT,
-    TokenSeq,
-    held_out,
-    load_data,
-    load_sequences,
-    save_sequences,
-    self_distill,
-    target_features,
-    training_conversations,
-)
+from specdec.data.datasets import HELD_OUT, held_out
+from specdec.data.sequences import TokenSeq, load_sequences, save_sequences, self_distill, training_conversations
+from specdec.training.data import Batch, load_data, target_features
 from specdec.training.recipe import load_recipe
-from specdec.training.text import stdlib_files
+from specdec.data.text import stdlib_files
 from specdec.training.trainer import RECORD_FILE, STATE_FILE, TrainingRecord, lr_at, train
 from specdec.verifiers import GreedyVerifier
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 
+from specdec.data.config import DATASETS, DatasetConfig, TargetConfig
 from specdec.policy import POLICIES
 from specdec.sampling import SamplingParams
 
@@ -22,8 +23,6 @@ __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "
 # what a run does: "decode" runs the dataset through every method (specdec.eval.runner); "roofline"
 # times the target forward against this machine's limits (specdec.eval.roofline)
 MODES = ("decode", "roofline")
-
-DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
 # transformers generate() peers, run side by side (batch 1): name -> the hook in a drafter's room
 # ("module:function") that returns generate()'s extra keyword arguments for (target, drafter, k); the hook
@@ -48,21 +47,6 @@ def _check_policy(key: str, policy: str | None) -> None:
 
 
 @dataclass
-class TargetConfig:
-    model: str = "smollm2-135m"  # an alias of specdec.models, a local folder, or "tiny" (random weights)
-    dtype: str = "float32"
-    device_map: str | None = None  # accelerate's device_map (e.g. "auto"); None = CPU
-    tiny: dict[str, Any] = field(default_factory=dict)  # specdec.testing.tiny.tiny_model options when model == "tiny"
-    pack: bool = True  # CPU: oneDNN-packed copies of fp32 linear weights where measured faster (Target's pack)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"target.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.pack, bool):
-            raise TypeError(f"target.pack must be a bool, got {type(self.pack).__name__}")
-
-
-@dataclass
 class DrafterConfig:
     name: str | None = None  # a key of specdec.drafters.DRAFTERS; None = autoregressive only
     options: dict[str, Any] = field(default_factory=dict)  # make_drafter(name, target, **options)
@@ -72,40 +56,6 @@ class DrafterConfig:
 class VerifierConfig:
     name: str = "rejection"  # a key of specdec.verifiers.VERIFIERS
     options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class DatasetConfig:
-    name: str = "random"  # one of DATASETS
-    path: str | None = None  # sharegpt / specbench file; None = the offline package (sharegpt only)
-    num_prompts: int = 8  # first N after filtering (and shuffling, if asked)
-    output_len: int | None = 64  # max new tokens per turn; sharegpt: None = the recorded reply's length
-    input_len: int = 128  # random and stdlib: prompt tokens
-    range_ratio: float = 1.0  # random only: lengths uniform in [ratio * len, len], as SGLang's "random"
-    turns: int = 2  # mtbench / specbench: how many user turns per conversation (1 or 2)
-    chat: bool = True  # apply the target's chat template where it has one (text datasets)
-    shuffle: bool = False  # shuffle (seeded by the run seed) before taking num_prompts
-    ignore_eos: bool = False  # generate exactly output_len tokens (the usual throughput setting)
-    max_prompt_len: int = 1024  # sharegpt: drop longer prompts (SGLang's filter)
-    repeats: int = 1  # the prompts asked this many times, all of them then all again (agents repeating tasks)
-
-    def __post_init__(self) -> None:
-        if self.name not in DATASETS:
-            raise ValueError(f"dataset.name must be one of {DATASETS}, got {self.name!r}")
-        if self.num_prompts < 1:
-            raise ValueError(f"dataset.num_prompts must be >= 1, got {self.num_prompts}")
-        if self.output_len is not None and self.output_len < 1:
-            raise ValueError(f"dataset.output_len must be >= 1 or None, got {self.output_len}")
-        if not 0 <= self.range_ratio <= 1:
-            raise ValueError(f"dataset.range_ratio must lie in [0, 1], got {self.range_ratio}")
-        if self.turns < 1:
-            raise ValueError(f"dataset.turns must be >= 1, got {self.turns}")
-        if self.repeats < 1:
-            raise ValueError(f"dataset.repeats must be >= 1, got {self.repeats}")
-        if self.output_len is None and self.name != "sharegpt":
-            raise ValueError("dataset.output_len=None (the recorded reply's length) exists for sharegpt only")
-        if self.name == "specbench" and not self.path:
-            raise ValueError("dataset specbench needs dataset.path: a Spec-Bench question.jsonl")
 
 
 @dataclass

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specdec.api import encode_messages, load_target, make_drafter, make_verifier
+from specdec.api import encode_messages, make_drafter, make_verifier
 from specdec.eval.config import HF_METHODS, DrafterConfig, RunConfig, TargetConfig
-from specdec.eval.datasets import Sample, load_dataset
+from specdec.data.config import build_target
+from specdec.data.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
@@ -56,15 +57,6 @@ from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
            "predicted_speedup", "summary_markdown", "lossy_mark", "k_label", "by_group", "git_sha", "write_config"]
-
-
-def build_target(cfg: TargetConfig) -> Target:
-    """The target a config names; ``model: tiny`` builds a random-weight model (tests, CI)."""
-    if cfg.model == "tiny":
-        from specdec.testing.tiny import tiny_model
-
-        return Target(tiny_model(**{"vocab_size": 64, **cfg.tiny}).to(getattr(torch, cfg.dtype)), pack=cfg.pack)
-    return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map, pack=cfg.pack)
 
 
 def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:

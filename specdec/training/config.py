@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.eval.config import TargetConfig
+from specdec.data.config import TargetConfig
 
 __all__ = ["DataConfig", "OptimConfig", "TrainConfig", "SOURCES"]
 
@@ -24,7 +24,7 @@ class DataConfig:
     """Which sequences a recipe trains on (:mod:`specdec.training.data`)."""
 
     source: str = "distill"  # distill: the target's own greedy answers to offline prompts; stdlib: Python's source;
-    #                          corpus: the committed corpus folder (specdec.training.corpus), greedy and sampled answers
+    #                          corpus: the committed corpus folder (specdec.data.corpus), greedy and sampled answers
     path: str | None = None  # distill: a stored data set (save_sequences' format); corpus: the shard folder
     sequences: int = 512  # distill: prompts answered (the cached data set; its first `use` are used)
     max_new_tokens: int = 256  # distill: response length cap

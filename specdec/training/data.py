@@ -5,19 +5,19 @@ text the target itself wrote: ``source: distill`` formats offline prompts with t
 template and has the target answer them (greedy, through this library's own loop, so exactly what
 it would emit when served), cached once per (model, settings) under ``cache_dir()/distill/``.
 Prompts come from ShareGPT (first human turns), MT-bench and HumanEval. ``source: corpus`` reads the
-committed corpus instead (:mod:`specdec.training.corpus`: every ShareGPT turn, greedy and sampled
+committed corpus instead (:mod:`specdec.data.corpus`: every ShareGPT turn, greedy and sampled
 answers, grown in shards), so nobody regenerates it; ``max_prompt`` keeps only the end of each
 prompt, since the losses read responses and features cost per token. A model trained from
 scratch, which has no answers of its own, reads ``source: stdlib``: Python's standard library source
-(:mod:`specdec.training.text`), cut into windows of ``window`` tokens.
+(:mod:`specdec.data.text`), cut into windows of ``window`` tokens.
 
 **Held out, two ways, each by one rule.**
 
-- Benchmark items are never trained on: the first :data:`HELD_OUT` ``["mtbench"]`` MT-bench
+- Benchmark items are never trained on: the first :data:`specdec.data.datasets.HELD_OUT` ``["mtbench"]`` MT-bench
   questions and the first ``["humaneval"]`` HumanEval problems are what the benchmarks load
   (``load_dataset(DatasetConfig(name=..., num_prompts=N))`` takes the first N), so they are
   left out of the prompts.
-- The held-out figures a run records come from items that :func:`held_out` marks: an item whose
+- The held-out figures a run records come from items that :func:`specdec.data.datasets.held_out` marks: an item whose
   name (a distilled sequence's prompt tokens, a standard-library file's name) hashes to 0 modulo
   ``held_out_every``. The rule depends on the item alone, so an item stays held out when the data
   set grows and every recipe holds out the same prompts.
@@ -32,35 +32,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from tqdm import tqdm
 
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import HELD_OUT, held_out, load_dataset, packaged_file, read_sharegpt
+from specdec.data.sequences import (TokenSeq, cut_prompt, held_out_seq, load_ragged, load_sequences, model_key,
+                                    save_ragged, self_distill)
 from specdec.models import cache_dir
 from specdec.target import Target
 from specdec.training.config import DataConfig
 
-__all__ = ["HELD_OUT", "held_out", "held_out_seq", "TokenSeq", "FeatureSeq", "Batch", "TrainData", "training_conversations",
-           "self_distill", "save_sequences", "load_sequences", "target_features", "make_batch", "load_data"]
+__all__ = ["FeatureSeq", "Batch", "TrainData", "target_features", "make_batch", "load_data"]
 
-# benchmark items never trained on: the first N of each dataset's file order
 
 Featurize = Callable[[Tensor], dict[str, Tensor]]  # tokens [B, T] -> {name: [B, T, ...]}
-
-
-@dataclass
-class TokenSeq:
-    tokens: Tensor  # [T] int64: chat-formatted prompt, then the target's response (or plain text)
-    response_start: int  # index of the first response token (0 for plain text)
-    features: dict[str, Tensor] = field(default_factory=dict)  # cached target features {name: [T, ...]}
 
 
 @dataclass
@@ -151,99 +139,6 @@ class TrainData:
             yield self.batch(seqs[lo: lo + batch])
 
 
-# --- distilled sequences --------------------------------------------------------------------------
-
-def _save_ragged(path: Path, fields: dict[str, list[Tensor]], response_start: list[int],
-                 metadata: dict[str, str] | None = None) -> None:
-    """Per-sequence tensors concatenated along dim 0 with their offsets, in one safetensors file
-    (written to a temporary name first, so an interrupted run leaves no half file)."""
-    lengths = torch.tensor([0] + [t.shape[0] for t in fields["tokens"]])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_file({**{k: torch.cat(v).contiguous() for k, v in fields.items()}, "offsets": lengths.cumsum(0),
-               "response_start": torch.tensor(response_start)}, str(tmp), metadata=metadata)
-    tmp.replace(path)
-
-
-def _load_ragged(path: Path) -> tuple[dict[str, list[Tensor]], list[int]]:
-    """What :func:`_save_ragged` wrote: each field split back into its sequences."""
-    data = load_file(str(path))
-    off = data.pop("offsets").tolist()
-    starts = data.pop("response_start").tolist()
-    return {k: [v[a:b] for a, b in zip(off[:-1], off[1:])] for k, v in data.items()}, starts
-
-
-def save_sequences(path: str | Path, seqs: list[TokenSeq], metadata: dict[str, str] | None = None) -> None:
-    """A data set as one safetensors file: token ids and each sequence's prompt/response split."""
-    _save_ragged(Path(path), {"tokens": [s.tokens for s in seqs]}, [s.response_start for s in seqs], metadata)
-
-
-def load_sequences(path: str | Path) -> list[TokenSeq]:
-    """What :func:`save_sequences` (or :func:`self_distill`) wrote."""
-    fields, starts = _load_ragged(Path(path))
-    return [TokenSeq(t, s) for t, s in zip(fields["tokens"], starts)]
-
-
-def training_conversations(n: int, seed: int = 0, max_chars: int = 2000) -> list[list[dict]]:
-    """``n`` single-user-turn conversations: every non-held-out MT-bench turn and HumanEval problem,
-    then ShareGPT first turns, shuffled with ``seed``. Very long prompts (> ``max_chars``) are skipped."""
-    texts: list[str] = []
-    mt = load_dataset(DatasetConfig(name="mtbench", num_prompts=10_000, turns=2))[HELD_OUT["mtbench"]:]
-    texts += [t for s in mt for t in s.turns]
-    texts += [s.turns[0] for s in load_dataset(DatasetConfig(name="humaneval", num_prompts=10_000))[HELD_OUT["humaneval"]:]]
-    for conv in read_sharegpt(packaged_file("sharegpt")):
-        turns = conv.get("conversations") or []
-        if turns and turns[0].get("from") == "human" and turns[0].get("value"):
-            texts.append(turns[0]["value"])
-        if len(texts) >= 4 * n:
-            break
-    texts = [t for t in texts if 0 < len(t) <= max_chars]
-    random.Random(seed).shuffle(texts)
-    if len(texts) < n:
-        raise ValueError(f"only {len(texts)} offline prompts are available, {n} were asked for")
-    return [[{"role": "user", "content": t}] for t in texts[:n]]
-
-
-def model_key(target: Target) -> str:
-    """Identifies the target's weights cheaply: its config and a checksum of a few parameters."""
-    h = hashlib.sha1(json.dumps(target.config.to_dict(), sort_keys=True, default=str).encode())
-    for p in list(target.model.parameters())[:4]:
-        h.update(p.detach().float().sum().item().hex().encode())
-    return h.hexdigest()[:12]
-
-
-def self_distill(target: Target, n: int, max_new_tokens: int = 256, seed: int = 0, batch: int = 16,
-                 max_prompt_tokens: int = 384, path: str | Path | None = None, progress: bool = True) -> list[TokenSeq]:
-    """The target's greedy responses to ``n`` training conversations; cached on disk.
-
-    Generation runs through :func:`specdec.loop.run` with no drafter (ragged batches, per-row EOS),
-    prompts sorted by length so a batch wastes little. Prompts longer than ``max_prompt_tokens`` are
-    cut from the left (the question's end carries the instruction).
-    """
-    from specdec.api import encode_messages
-    from specdec.loop import Request, run
-    from specdec.verifiers import GreedyVerifier
-
-    key = f"{model_key(target)}-n{n}-new{max_new_tokens}-s{seed}-p{max_prompt_tokens}"
-    file = Path(path) if path else cache_dir() / "distill" / f"{key}.safetensors"
-    if file.exists():
-        return load_sequences(file)
-
-    prompts = [encode_messages(target, c, chat=True)[-max_prompt_tokens:] for c in training_conversations(n, seed)]
-    order = sorted(range(n), key=lambda i: len(prompts[i]))
-    answers: dict[int, list[int]] = {}
-    for lo in tqdm(range(0, n, batch), desc="self-distill", disable=not progress):
-        idx = order[lo: lo + batch]
-        reqs = [Request(prompts[i], max_new_tokens) for i in idx]
-        with torch.inference_mode():
-            out = run(target, None, GreedyVerifier(), reqs, k=1)
-        answers.update({i: r.tokens for i, r in zip(idx, out.requests)})
-    seqs = [TokenSeq(torch.tensor(prompts[i] + answers[i], dtype=torch.long), len(prompts[i])) for i in range(n)]
-
-    save_sequences(file, seqs, {"max_new_tokens": str(max_new_tokens), "seed": str(seed)})
-    return seqs
-
-
 def target_features(target: Target, tokens: Tensor, layer_inputs: list[int] | tuple[int, ...]) -> dict[str, Tensor]:
     """What the layer-reading recipes train on, through the target's seam: ``features`` [B, T, m·D]
     (the inputs of ``layer_inputs``, concatenated in that order; empty when none) and ``final``
@@ -260,7 +155,7 @@ def target_features(target: Target, tokens: Tensor, layer_inputs: list[int] | tu
 def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[list[TokenSeq], list[TokenSeq], object]:
     """(train, held-out, tokenizer) before features, by the one held-out rule."""
     if cfg.source == "stdlib":
-        from specdec.training.text import encode_files, stdlib_files, train_tokenizer, windows
+        from specdec.data.text import encode_files, stdlib_files, train_tokenizer, windows
 
         files = stdlib_files("train", cfg.held_out_every)[: cfg.max_files]
         held_files = stdlib_files("heldout", cfg.held_out_every)
@@ -269,7 +164,7 @@ def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[
                        for fs in (files, held_files))
         return train[: cfg.use], held, tokenizer
     if cfg.source == "corpus":
-        from specdec.training.corpus import read_corpus
+        from specdec.data.corpus import read_corpus
 
         seqs = [TokenSeq(s.tokens, s.response_start) for s in read_corpus(cfg.path)]
         if not seqs:
@@ -282,20 +177,9 @@ def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[
         seqs = self_distill(target, cfg.sequences, cfg.max_new_tokens, cfg.seed, batch=64, progress=progress)
     seqs = seqs[: cfg.use]
     split = [held_out_seq(s, cfg.held_out_every) for s in seqs]  # before any cut: by the whole prompt
-    seqs = [_cut(s, cfg.max_prompt, cfg.max_len) for s in seqs]
+    seqs = [cut_prompt(s, cfg.max_prompt, cfg.max_len) for s in seqs]
     return ([s for s, h in zip(seqs, split) if not h], [s for s, h in zip(seqs, split) if h],
             target.tokenizer if target is not None else None)
-
-
-def held_out_seq(seq: TokenSeq, every: int) -> bool:
-    """The one held-out rule for a prompt/response sequence: by its whole prompt's token ids."""
-    return held_out(",".join(map(str, seq.tokens[: seq.response_start].tolist())), every)
-
-
-def _cut(seq: TokenSeq, max_prompt: int | None, max_len: int | None) -> TokenSeq:
-    """``seq`` with only its last ``max_prompt`` prompt tokens, then cut to ``max_len`` tokens."""
-    drop = max(0, seq.response_start - max_prompt) if max_prompt is not None else 0
-    return TokenSeq(seq.tokens[drop:][:max_len], seq.response_start - drop)
 
 
 def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | None = None,
@@ -319,7 +203,7 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
     path = cache_dir() / "features" / f"{feature_key}-{key}.safetensors"
     every = train + held
     if path.exists():
-        fields, _ = _load_ragged(path)
+        fields, _ = load_ragged(path)
         if not all(torch.equal(a, s.tokens) for a, s in zip(fields.pop("tokens"), every)):
             raise ValueError(f"{path} holds other sequences than this data set: delete it")
         for i, s in enumerate(every):
@@ -328,7 +212,7 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
         for s in tqdm(every, desc="target features", disable=not progress):  # kept on the host, as when read back
             s.features = {k: v[0].to("cpu", dtype) if v.is_floating_point() else v[0].cpu()
                           for k, v in featurize(s.tokens.unsqueeze(0)).items()}
-        _save_ragged(path, {"tokens": [s.tokens for s in every],
+        save_ragged(path, {"tokens": [s.tokens for s in every],
                             **{k: [s.features[k] for s in every] for k in every[0].features}},
                      [s.response_start for s in every])
     return TrainData(train, held, None, tokenizer)

