@@ -16,12 +16,18 @@ over a given number of rows depends on the CPU (docs/roofline.md):
   second set of those weights in memory, made at the first measurement and dropped again if no
   row count takes it.
 
-Only the rounding differs. So the choice is measured, not assumed: :func:`plan_for` times one pass
-over the model's own float32 linear layers each way at :data:`ROW_COUNTS` (at the current number of
-threads, once per model, thread count and packing choice: about 4 seconds for SmolLM2 on one thread)
-and keeps, per row count, the fastest product that is at least :data:`MARGIN` faster than
-``F.linear``; a row count between two measured ones takes the lower one's packed choice. :func:`pin`
-fixes the plan instead (tests, or a user who measured).
+Only the rounding differs. So the choice is measured, not assumed, but never inside a timed run:
+:func:`autotune` (called by :func:`specdec.load_target`, or ``python -m specdec.few_rows``) times one
+pass over the model's own float32 linear layers each way at :data:`ROW_COUNTS` and keeps, per row
+count, the fastest product that is at least :data:`MARGIN` faster than ``F.linear``; a row count
+between two measured ones takes the lower one's packed choice. The plan is cached on disk, the way
+Triton caches its autotuning, under ``$SPECDEC_CACHE/few_rows/`` (default ``~/.cache/specdec``), keyed
+by the CPU model, the thread count, the dtype, the torch version, the packing choice and the
+layers' shapes (:func:`plan_key`): measured once per machine, then read. :func:`plan_for`, which the
+target's forward asks, never measures: it takes the plan pinned or tuned in this process, else the
+cached one, else :data:`HEURISTIC` (``F.linear`` everywhere: deterministic, no copy). Every result
+records which plan ran and where it came from (:func:`plan_record`). :func:`pin` fixes the plan
+instead (tests, or a user who measured).
 
 :func:`install` gives every float32 ``nn.Linear`` of a model a forward that follows the plan in
 effect (:func:`few_rows`; the target's forward and LM head enter it, and install it only once some
@@ -31,19 +37,26 @@ elsewhere (transformers' ``generate``, a training step) is unchanged.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "Plan", "install", "few_rows", "measure", "choose",
-           "plan_for", "pin", "packing_available", "packed_bytes"]
+__all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
+           "choose", "plan_for", "plan_record", "plan_key", "cached_plan", "autotune", "cache_folder", "cpu_model",
+           "pin", "packing_available", "packed_bytes"]
 
 PRODUCTS = ("linear", "mm", "packed")
 """The products a row count can take; ``"linear"`` is the layer's own (and the default)."""
@@ -63,8 +76,16 @@ Plan = Mapping[int, str]
 """Row count → ``"mm"`` or ``"packed"``; a row count not in it takes ``F.linear``."""
 
 _EMPTY: Plan = MappingProxyType({})
+
+HEURISTIC: Plan = _EMPTY
+"""The plan where none was tuned or cached for this machine: ``F.linear`` at every row count, the
+layer's own product (what transformers runs), the same on every machine and run, with no second
+copy of the weights. Which other product wins depends on the CPU (the module docstring), so no
+rule of thumb picks one without measuring."""
+
 _PLAN: ContextVar[Plan] = ContextVar("specdec_few_rows", default=_EMPTY)
-_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, bool], Plan]] = weakref.WeakKeyDictionary()
+# model -> (threads, packed) -> (plan, where it came from: "pinned", "measured", "cached", "heuristic")
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, bool], tuple[Plan, str]]] = weakref.WeakKeyDictionary()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 _PACK_HINT = 8  # the batch size oneDNN is told to pack for (4 and 16 measured the same)
 
@@ -217,18 +238,117 @@ def choose(times: Mapping[int, Mapping[str, float]]) -> Plan:
     return MappingProxyType(plan)
 
 
-def plan_for(model: nn.Module, packed: bool = True) -> Plan:
-    """The plan ``model``'s linear layers follow at the current number of threads: pinned
-    (:func:`pin`), or measured once (:func:`measure`, :func:`choose`). ``packed=False`` never
-    considers (nor makes) packed copies. Packed copies no row count takes are dropped."""
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else what ``platform`` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def cache_folder() -> Path:
+    """Where tuned plans are kept: ``$SPECDEC_CACHE/few_rows`` (default ``~/.cache/specdec/few_rows``)."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "few_rows"
+
+
+def plan_key(model: nn.Module, packed: bool = True, threads: int | None = None) -> dict[str, Any]:
+    """What a tuned plan holds for: the CPU model, thread count, dtype, torch version, whether
+    packing was considered, and the float32 CPU linear layers' shapes (a digest: another model of
+    the same shapes takes the same products)."""
+    layers = _cpu_float32_weights(model)
+    shapes = sorted((m.in_features, m.out_features, m.bias is not None) for m in layers)
+    return {"cpu": cpu_model(), "threads": threads or torch.get_num_threads(), "dtype": "float32",
+            "torch": torch.__version__, "packed": bool(packed and packing_available()),
+            "layers": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]}
+
+
+def _cache_file(key: Mapping[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:20]
+    return cache_folder() / f"{digest}.json"
+
+
+def _as_plan(raw: Mapping[str, str]) -> Plan:
+    plan = {int(r): how for r, how in raw.items()}
+    if any(how not in PRODUCTS[1:] or rows < 1 for rows, how in plan.items()):
+        raise ValueError(f"not a few-row plan: {dict(raw)!r}")
+    return MappingProxyType(plan)
+
+
+def cached_plan(model: nn.Module, packed: bool = True) -> Plan | None:
+    """The plan tuned for ``model``'s :func:`plan_key` on this machine, read from the cache; None
+    when none was (or the file does not parse: it is then tuned again)."""
+    key = plan_key(model, packed)
+    try:
+        record = json.loads(_cache_file(key).read_text())
+        return _as_plan(record["plan"]) if record.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan:
+    """The plan for ``model`` at the current thread count, tuned once per machine: read from the
+    cache (:func:`cached_plan`), else measured (:func:`measure`, :func:`choose`, a few seconds for
+    SmolLM2) and written there; ``force`` measures again. Call it before any timed run
+    (:func:`specdec.load_target` does); the plan then holds for this model in this process."""
+    key = (torch.get_num_threads(), packed)
+    chosen = _CHOSEN.setdefault(model, {})
+    if not _cpu_float32_weights(model):
+        chosen[key] = (_EMPTY, "heuristic")
+        return _EMPTY
+    plan = None if force else cached_plan(model, packed)
+    if plan is not None:
+        chosen[key] = (plan, "cached")
+        if packed and "packed" in plan.values() and packing_available():
+            for m in _cpu_float32_weights(model):  # the copies now, not in the first timed forward
+                _packed_weight(m)
+        return plan
+    times = measure(model, packed=packed)
+    plan = choose(times)
+    chosen[key] = (plan, "measured")
+    if not any(p == "packed" for plans, _ in chosen.values() for p in plans.values()):
+        _unpack(model)
+    pkey = plan_key(model, packed)
+    record = {"key": pkey, "plan": {str(r): how for r, how in plan.items()},
+              "times_s": {str(r): t for r, t in times.items()},
+              "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = _cache_file(pkey)
+    try:  # written whole, then moved into place: a reader never sees half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: the plan still holds in this process
+        pass
+    return plan
+
+
+def _resolve(model: nn.Module, packed: bool) -> tuple[Plan, str]:
     key = (torch.get_num_threads(), packed)
     chosen = _CHOSEN.setdefault(model, {})
     if key not in chosen:
-        times = measure(model, packed=packed) if _cpu_float32_weights(model) else {}
-        chosen[key] = choose(times)
-        if not any(p == "packed" for plans in chosen.values() for p in plans.values()):
-            _unpack(model)
+        cached = cached_plan(model, packed) if _cpu_float32_weights(model) else None
+        chosen[key] = (cached, "cached") if cached is not None else (HEURISTIC, "heuristic")
     return chosen[key]
+
+
+def plan_for(model: nn.Module, packed: bool = True) -> Plan:
+    """The plan ``model``'s linear layers follow at the current number of threads, never measured
+    here: pinned (:func:`pin`) or tuned (:func:`autotune`) in this process, else the one cached for
+    this machine (:func:`cached_plan`, read once), else :data:`HEURISTIC`. ``packed=False`` names a
+    plan that never takes (nor makes) packed copies."""
+    return _resolve(model, packed)[0]
+
+
+def plan_record(model: nn.Module, packed: bool = True) -> dict[str, Any]:
+    """Which plan :func:`plan_for` gives, for a result to record: its source (``"pinned"``,
+    ``"measured"``, ``"cached"`` or ``"heuristic"``), the thread count, and the plan itself
+    (row count → product; a row count not named takes ``F.linear``)."""
+    plan, source = _resolve(model, packed)
+    return {"source": source, "threads": torch.get_num_threads(), "packed": packed,
+            "plan": {str(r): how for r, how in sorted(plan.items())}}
 
 
 def pin(model: nn.Module, plan: Plan, threads: int | None = None, packed: bool = True) -> None:
@@ -241,7 +361,8 @@ def pin(model: nn.Module, plan: Plan, threads: int | None = None, packed: bool =
             raise ValueError(f"row counts must be positive integers, got {rows!r}")
         if how not in PRODUCTS[1:]:
             raise ValueError(f"a row count takes one of {PRODUCTS[1:]}, got {how!r}")
-    _CHOSEN.setdefault(model, {})[(threads or torch.get_num_threads(), packed)] = MappingProxyType(dict(plan))
+    _CHOSEN.setdefault(model, {})[(threads or torch.get_num_threads(), packed)] = (MappingProxyType(dict(plan)),
+                                                                                    "pinned")
 
 
 @contextmanager
@@ -252,3 +373,29 @@ def few_rows(plan: Plan) -> Iterator[None]:
         yield
     finally:
         _PLAN.reset(token)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``specdec-autotune``: tune (or, with ``--force``, re-tune) a target's few-row plan for this
+    machine and print it with the cache file, so that no later run measures."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="specdec-autotune", description=main.__doc__)
+    ap.add_argument("--model", default="smollm2-135m", help="an alias or a folder (default: smollm2-135m)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: chosen from the machine)")
+    ap.add_argument("--no-pack", action="store_true", help="never consider oneDNN's packed copies")
+    ap.add_argument("--force", action="store_true", help="measure again even when a plan is cached")
+    args = ap.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        ap.error(f"--threads must be at least 1, got {args.threads}")
+    from specdec.api import load_target
+
+    target = load_target(args.model, threads=args.threads, pack=not args.no_pack, autotune=False)
+    autotune(target.model, packed=target.pack, force=args.force)
+    record = plan_record(target.model, packed=target.pack)
+    print(json.dumps({**record, "key": plan_key(target.model, target.pack),
+                      "file": str(_cache_file(plan_key(target.model, target.pack)))}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

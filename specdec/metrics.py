@@ -120,7 +120,7 @@ class GenerationSummary:
     drafter: str | None  # registered name; None = autoregressive decoding through the same loop
     verifier: str
     lossless: bool
-    k: int  # draft tokens per step asked of the drafter
+    k: int  # draft tokens per step asked of the drafter; 0 for autoregressive decoding
     requests: int
     prompt_tokens: int
     new_tokens: int
@@ -141,13 +141,17 @@ class GenerationSummary:
     other_ms_per_step: float  # the loop's own overhead per batch step (bookkeeping, the one host read, compaction)
     other_step_frac: float  # other_s / (wall_s - prefill_s): the loop's share of the decoding time
     policy: str | None = None  # draft-length policy (specdec.policy); None = every proposed node verified (fixed k)
+    # the few-row plan the target's linear layers followed (specdec.few_rows.plan_record: source, threads,
+    # row count -> product); None where none applies (off the CPU, compiled, fast=False)
+    few_rows: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
-           lossless: bool, k: int, policy: str | None = None) -> GenerationSummary:
+           lossless: bool, k: int, policy: str | None = None, few_rows: dict[str, Any] | None = None
+           ) -> GenerationSummary:
         per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
         decoding_s = run.wall_s - run.prefill_s
-        return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy,
+        return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy, few_rows=few_rows,
                    prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
                    **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
                    draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step,
@@ -175,4 +179,10 @@ class GenerationSummary:
                 f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); "
                 f"mean accepted length {self.mean_accepted_length:.2f} tokens/step; acceptance by depth [{acc}]; "
                 f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms, "
-                f"loop overhead {self.other_ms_per_step:.2f} ms ({self.other_step_frac:.1%})")
+                f"loop overhead {self.other_ms_per_step:.2f} ms ({self.other_step_frac:.1%})" + self._plan_text())
+
+    def _plan_text(self) -> str:
+        if self.few_rows is None:
+            return ""
+        plan = ", ".join(f"{r} rows {how}" for r, how in self.few_rows["plan"].items()) or "F.linear at every row count"
+        return f"; few-row plan ({self.few_rows['source']}, {self.few_rows['threads']} threads): {plan}"

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdec import gqa_attention
-from specdec.few_rows import Plan, few_rows, install, plan_for
+from specdec.few_rows import Plan, autotune, few_rows, install, plan_for, plan_record
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
@@ -405,13 +405,28 @@ class Target:
         """The few-row plan of this target's linear layers (empty off the eager fast path or off the
         CPU; a row count it does not name keeps ``F.linear``); installs the layers' forward once
         some row count takes a product other than ``F.linear``."""
-        if not (self.fast and not self._compiled and self.device.type == "cpu"):
+        if not self.takes_row_plan():
             return {}
         plan = plan_for(self.model, packed=self.pack)
         if plan and not self._few_rows_installed:  # until then the layers keep their own forward
             install(self.model)  # inert outside few_rows(): the model called any other way is unchanged
             self._few_rows_installed = True
         return plan
+
+    def takes_row_plan(self) -> bool:
+        """Whether this target's forward follows a few-row plan: the eager fast path on a CPU."""
+        return self.fast and not self._compiled and self.device.type == "cpu"
+
+    def tune(self, force: bool = False) -> None:
+        """Tune the few-row plan for this machine now (:func:`specdec.few_rows.autotune`: read from
+        the cache, else measured once and cached), so that no timed run measures."""
+        if self.takes_row_plan():
+            autotune(self.model, packed=self.pack, force=force)
+
+    def row_plan_record(self) -> dict[str, Any] | None:
+        """Which few-row plan the forward follows and where it came from
+        (:func:`specdec.few_rows.plan_record`), for results to record; None where none applies."""
+        return plan_record(self.model, packed=self.pack) if self.takes_row_plan() else None
 
     def logits(self, hidden: Tensor, dtype: torch.dtype | None = None, vocab: Tensor | None = None) -> Tensor:
         """LM head (with any final soft-capping the model applies) in float32. [.., V]

@@ -1,6 +1,6 @@
 """The few-row products of linear layers (specdec.few_rows): the same values as ``F.linear`` up to
 rounding, taken only inside its block, for the row counts the plan names, of float32 on the CPU
-outside autograd; the plan is measured per model, thread count and packing choice, or pinned."""
+outside autograd; the plan is tuned per model, thread count and packing choice (tests/test_autotune.py), or pinned."""
 
 import pytest
 import torch
@@ -141,7 +141,7 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_plans_are_measured_once_per_thread_count_and_packing_choice(monkeypatch, threads):
+def test_plans_are_tuned_once_per_thread_count_and_packing_choice(monkeypatch, threads, tmp_path):
     calls = []
 
     def fake(model, packed=True):
@@ -149,19 +149,21 @@ def test_plans_are_measured_once_per_thread_count_and_packing_choice(monkeypatch
         return {1: {"linear": 1.0, "mm": 0.5}, 4: {"linear": 1.0, "packed": 0.5} if packed else {"linear": 1.0}}
 
     monkeypatch.setattr(fr, "measure", fake)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # an empty cache: every key is measured
     model = _model()
     torch.set_num_threads(1)
+    assert fr.autotune(model) == {1: "mm", 4: "packed"} and calls == [(1, True)]
     assert plan_for(model) == {1: "mm", 4: "packed"} and plan_for(model) is plan_for(model) and calls == [(1, True)]
-    assert plan_for(model, packed=False) == {1: "mm"} and calls == [(1, True), (1, False)]
+    assert fr.autotune(model, packed=False) == {1: "mm"} and calls == [(1, True), (1, False)]
     torch.set_num_threads(2)
-    assert plan_for(model) == {1: "mm", 4: "packed"} and len(calls) == 3
-    assert plan_for(_model(torch.bfloat16)) == {} and len(calls) == 3  # nothing to measure
+    assert fr.autotune(model) == {1: "mm", 4: "packed"} and len(calls) == 3
+    assert fr.autotune(_model(torch.bfloat16)) == {} and len(calls) == 3  # nothing to measure
     pin(model, {3: "mm"})
     assert plan_for(model) == {3: "mm"} and len(calls) == 3
 
 
 @needs_packing
-def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads):
+def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads, tmp_path):
     real = fr.measure
 
     def never_packed(model, packed=True):
@@ -170,8 +172,9 @@ def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads):
         return {r: {**t, "packed": 10 * t["linear"]} for r, t in times.items()}
 
     monkeypatch.setattr(fr, "measure", never_packed)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     model = _model()
-    assert "packed" not in plan_for(model).values() and fr.packed_bytes(model) == 0
+    assert "packed" not in fr.autotune(model).values() and fr.packed_bytes(model) == 0
 
 
 def test_measure_times_each_product_where_it_is_considered_and_leaves_the_random_stream_alone():

@@ -279,6 +279,10 @@ def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Ta
     bar.close()
 
     summary = summarize_methods(records, runs, baselines, info, cfg.concurrency)
+    plan = target.row_plan_record()  # which few-row plan the loop's target forwards followed
+    for name in ["ar", *spec]:
+        if name in summary:
+            summary[name]["few_rows"] = plan
     for name, base in baselines.items():
         if base in summary:
             summary[name]["divergences"] = divergences(target, records, prompts, name, base)

@@ -1,0 +1,151 @@
+"""The few-row plan is tuned outside timed runs and cached per machine (specdec.few_rows.autotune):
+measured once per key (CPU model, threads, dtype, torch version, packing, layer shapes), read from
+the cache afterwards, never measured by a forward or a generation; a deterministic heuristic serves
+where nothing was tuned; every result records which plan ran."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import specdec
+from specdec import few_rows as fr
+from specdec.eval.config import DatasetConfig, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.runner import run_experiment
+from specdec.testing.tiny import tiny_model
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty plan cache of this test's own."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    return tmp_path / "few_rows"
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Every call of ``few_rows.measure``, with fixed times: ``W @ xᵀ`` wins at 2 rows."""
+    calls: list[int] = []
+
+    def fake(model, row_counts=fr.ROW_COUNTS, reps=2, packed=True):
+        calls.append(torch.get_num_threads())
+        return {1: {"linear": 1.0, "mm": 1.5}, 2: {"linear": 1.0, "mm": 0.5}}
+
+    monkeypatch.setattr(fr, "measure", fake)
+    return calls
+
+
+def _model(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 40), nn.GELU(), nn.Linear(40, 16))
+
+
+def test_a_plan_is_measured_once_per_machine_key_then_read_from_the_cache(cache, measured, threads):
+    torch.set_num_threads(1)
+    first = _model()
+    assert fr.autotune(first) == {2: "mm"} and measured == [1]
+    assert fr.plan_record(first)["source"] == "measured"
+    files = list(cache.glob("*.json"))
+    assert len(files) == 1
+    record = json.loads(files[0].read_text())
+    assert record["key"] == fr.plan_key(first) and record["plan"] == {"2": "mm"}
+    assert set(record["key"]) == {"cpu", "threads", "dtype", "torch", "packed", "layers"}
+    assert record["key"]["cpu"] == fr.cpu_model() and record["key"]["torch"] == torch.__version__
+
+    again = _model(seed=1)  # another process's model of the same shapes: read, not measured
+    assert fr.autotune(again) == {2: "mm"} and measured == [1]
+    assert fr.plan_record(again) == {"source": "cached", "threads": 1, "packed": True, "plan": {"2": "mm"}}
+    fresh = _model(seed=2)
+    assert fr.plan_for(fresh) == {2: "mm"} and fr.plan_record(fresh)["source"] == "cached" and measured == [1]
+
+    torch.set_num_threads(2)  # another key: measured once more, its own file
+    assert fr.autotune(again) == {2: "mm"} and measured == [1, 2] and len(list(cache.glob("*.json"))) == 2
+    other = nn.Sequential(nn.Linear(24, 48))  # other shapes: another key
+    fr.autotune(other)
+    assert measured == [1, 2, 2]
+    fr.autotune(again, force=True)
+    assert measured == [1, 2, 2, 2]
+
+
+def test_a_corrupt_or_foreign_cache_file_is_measured_again(cache, measured):
+    model = _model()
+    fr.autotune(model)
+    (path,) = cache.glob("*.json")
+    path.write_text("{not json")
+    assert fr.cached_plan(_model()) is None
+    fr.autotune(_model())
+    assert len(measured) == 2
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "key": {**record["key"], "cpu": "another CPU"}}))
+    assert fr.cached_plan(_model()) is None
+    path.write_text(json.dumps({**record, "plan": {"2": "fast"}}))
+    assert fr.cached_plan(_model()) is None
+
+
+def test_plan_for_never_measures_and_falls_back_to_the_deterministic_heuristic(cache, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("plan_for measured")
+
+    monkeypatch.setattr(fr, "measure", refuse)
+    model = _model()
+    assert fr.plan_for(model) == fr.HEURISTIC == {} and fr.plan_for(model, packed=False) == {}
+    assert fr.plan_record(model)["source"] == "heuristic"
+    fr.pin(model, {3: "mm"})
+    assert fr.plan_record(model)["source"] == "pinned" and fr.plan_record(model)["plan"] == {"3": "mm"}
+
+
+def test_the_first_generate_after_load_target_spends_no_time_measuring(cache, monkeypatch, threads):
+    """``load_target`` tunes; ``generate`` never calls ``measure`` (counted, not timed) and its summary
+    names the plan that ran; a second load of the same shapes reads the cache."""
+    calls: list[str] = []
+    real = fr.measure
+    phase = ["load"]
+
+    def counting(*args, **kwargs):
+        calls.append(phase[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fr, "measure", counting)
+    target = specdec.load_target(tiny_model("llama", vocab_size=48, seed=3), threads=1)
+    assert calls == ["load"]
+    phase[0] = "generate"
+    out = specdec.generate(target, [[1, 2, 3, 4]], "ngram", k=3, max_new_tokens=6)
+    out_ar = specdec.generate(target, [[1, 2, 3, 4]], None, max_new_tokens=6)
+    assert calls == ["load"]
+    plan = {str(r): h for r, h in fr.plan_for(target.model).items()}
+    assert out.summary.few_rows == {"source": "measured", "threads": 1, "packed": True, "plan": plan}
+    assert out.summary["few_rows"] == out_ar.summary.few_rows and "few-row plan (measured, 1 threads)" in str(out.summary)
+    assert out_ar.summary.k == 0 and out.summary.k == 3  # the baseline asks no drafts
+
+    phase[0] = "load"
+    again = specdec.load_target(tiny_model("llama", vocab_size=48, seed=4), threads=1)
+    assert calls == ["load"]
+    assert specdec.generate(again, [[1, 2, 3]], None, max_new_tokens=2).summary.few_rows["source"] == "cached"
+    untuned = specdec.load_target(tiny_model("llama", vocab_size=48, seed=5, hidden_size=48), threads=1,
+                                  autotune=False)
+    assert calls == ["load"]
+    assert specdec.generate(untuned, [[1, 2]], None, max_new_tokens=2).summary.few_rows == {
+        "source": "heuristic", "threads": 1, "packed": True, "plan": {}}
+    with pytest.raises(TypeError, match="autotune"):
+        specdec.load_target(again.model, autotune="yes")
+
+
+def test_the_runner_records_the_plan_of_every_loop_method(cache, tmp_path):
+    cfg = RunConfig(target=TargetConfig(model="tiny", tiny={"vocab_size": 64}), drafter=DrafterConfig("ngram"),
+                    dataset=DatasetConfig(name="random", num_prompts=2, input_len=8, output_len=4, ignore_eos=True),
+                    progress=False, warmup=False)
+    res = run_experiment(cfg, out_dir=tmp_path / "run")
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for summary in (res.summary, written):
+        assert set(summary) == {"ar", "spec"}
+        assert all(s["few_rows"]["source"] == "heuristic" and s["few_rows"]["plan"] == {} for s in summary.values())
