@@ -6,7 +6,8 @@ where they are used. This module holds what transformers has no piece for: the p
 grouped-query attention under transformers' parameter names, RoPE on one tensor (a draft rotates
 context keys without queries), and attention under a boolean mask. Attention is left to the
 caller because each family masks it its own way: EAGLE-3 over a cache plus a tree, DFlash over
-context slots plus a non-causal block.
+context slots plus a non-causal block. :class:`FP32Buffers` is the base of the draft networks: their
+rotary frequencies survive casts to the checkpoint's dtype unrounded.
 
 Shapes: ``B`` rows, ``n`` tokens, ``m`` query tokens, ``S`` key slots, ``H``/``Hkv`` query / KV
 heads, ``hd`` head size, ``d`` hidden size.
@@ -19,7 +20,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-__all__ = ["GQAttention", "rope", "attend"]
+__all__ = ["GQAttention", "FP32Buffers", "rope", "attend"]
+
+
+class FP32Buffers(nn.Module):
+    """A module whose non-persistent floating buffers anywhere below it (the rotary frequencies
+    ``inv_freq``) keep their values, in float32, through every dtype cast (``.to(bf16)``,
+    ``.half()``, ``.float()``); device moves still apply. They are computed from the config, not
+    trained: a bf16 ``inv_freq`` is off by up to 2^-9 relatively, an angle error that grows with the
+    position, so a draft cast to its checkpoint's dtype would rotate with frequencies it was not
+    trained with, and a later ``.float()`` cannot undo the rounding."""
+
+    def _apply(self, fn, recurse=True):
+        kept = []
+        if recurse:
+            persistent = set(self.state_dict(keep_vars=True))
+            kept = [(name, buf) for name, buf in self.named_buffers()
+                    if name not in persistent and buf.is_floating_point()]
+        super()._apply(fn, recurse)
+        for name, buf in kept:
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner)
+            setattr(module, leaf, buf.to(device=getattr(module, leaf).device))
+        return self
 
 
 class GQAttention(nn.Module):

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specdec.drafters.layers import GQAttention, attend, rope
+from specdec.drafters.layers import FP32Buffers, GQAttention, attend, rope
 
 __all__ = ["BlockDraftConfig", "BlockDraftModel", "build_target_layer_ids"]
 
@@ -141,11 +141,12 @@ class BlockLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class BlockDraftModel(nn.Module):
+class BlockDraftModel(FP32Buffers):
     """The backbone; parameter names are the z-lab DFlash checkpoint's (``layers.{i}.*``, ``fc``,
     ``hidden_norm``, ``norm``). A family that extends it (DSpark) subclasses both this and
     :class:`BlockDraftConfig`, adds its heads, and overrides :meth:`draft_bias` and
-    :meth:`confidence_logits`, which training reads."""
+    :meth:`confidence_logits`, which training reads. Its rotary frequencies stay float32 through
+    every cast (:class:`~specdec.drafters.layers.FP32Buffers`)."""
 
     config_class: ClassVar[type[BlockDraftConfig]] = BlockDraftConfig
 

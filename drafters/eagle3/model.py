@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from specdec.drafters.layers import GQAttention, attend, rope
+from specdec.drafters.layers import FP32Buffers, GQAttention, attend, rope
 from specdec.kernels.norm_concat_linear import fused_norm_concat_linear
 from specdec.target import Target
 
@@ -157,8 +157,9 @@ class Eagle3Layer(nn.Module):
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
-class Eagle3Model(nn.Module):
-    """The draft network. ``embed_tokens`` is None when the target's embedding is shared."""
+class Eagle3Model(FP32Buffers):
+    """The draft network. ``embed_tokens`` is None when the target's embedding is shared; its rotary
+    frequencies stay float32 whatever dtype it is cast to (:class:`~specdec.drafters.layers.FP32Buffers`)."""
 
     def __init__(self, cfg: LlamaConfig, spec: Eagle3Spec):
         super().__init__()

@@ -73,7 +73,7 @@ class GemmaMTPDrafter(Drafter):
     def __init__(self, assistant: PreTrainedModel, greedy_draft: bool = False):
         if getattr(assistant.config, "model_type", "") not in ("gemma4_assistant", "gemma4_unified_assistant"):
             raise ValueError(f"expected a gemma4_assistant model, got {assistant.config.model_type!r}")
-        self.assistant = assistant.eval()
+        self.assistant = _fp32_rotary(assistant.eval())
         self.greedy_draft = greedy_draft
         self.text_config = assistant.config.get_text_config()
 
@@ -178,6 +178,19 @@ class GemmaMTPDrafter(Drafter):
         d = cls(model, **overrides)
         d.bind(target)
         return d
+
+
+def _fp32_rotary(model: PreTrainedModel) -> PreTrainedModel:
+    """``model`` with every rotary embedding whose frequencies a dtype cast rounded rebuilt from its
+    config (float32, as ``from_pretrained`` computes them): the assistant's queries must rotate as
+    the target rotated the keys it reads, and a bf16 ``inv_freq`` puts an error on the angle that
+    grows with the position."""
+    for name, module in list(model.named_modules()):
+        rounded = [b for b in module.buffers(recurse=False) if b.is_floating_point() and b.dtype != torch.float32]
+        if name and rounded and type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, type(module)(module.config).to(rounded[0].device))
+    return model
 
 
 def _head_dim(target: Target, layer: int) -> int:
