@@ -70,8 +70,15 @@ def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
 
 
 def make_verifier(name: str, **options: Any) -> Verifier:
-    """Build the verifier registered as ``name`` (:mod:`specdec.registry`)."""
-    return verifier_class(name)(**options)
+    """Build the verifier registered as ``name`` (:mod:`specdec.registry`). An option it does not
+    take raises ``ValueError`` naming it and the verifier's options (:meth:`Verifier.option_names`)."""
+    cls = verifier_class(name)
+    known = cls.option_names()
+    unknown = sorted(set(options) - set(known)) if known is not None else []
+    if unknown:
+        raise ValueError(f"verifier {name!r} has no option {', '.join(map(repr, unknown))};"
+                         f" its options are: {', '.join(known) if known else 'none'}")
+    return cls(**options)
 
 
 @dataclass

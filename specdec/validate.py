@@ -97,7 +97,8 @@ def as_token_ids(name: str, value: Any, vocab_size: int | None = None) -> list[i
 def as_prompt_batch(value: Any) -> list[str] | list[list[int]]:
     """One prompt or a batch, as text or token ids (lists, tensors, numpy) → a list of prompts.
 
-    A string or a flat list/1-D array of ids is one prompt; a list of those, or a 2-D array, a batch.
+    A string or a flat list/1-D array of ids is one prompt (a list of Python or numpy integers
+    alike); a list of those, or a 2-D array, a batch.
     """
     array = _array_ids("prompts", value)
     if array is not None:
@@ -110,6 +111,6 @@ def as_prompt_batch(value: Any) -> list[str] | list[list[int]]:
         return list(value)
     if any(isinstance(p, str) for p in value):
         raise TypeError("prompts mixes text and token ids")
-    if not isinstance(value[0], (list, tuple)) and _array_ids("prompts[0]", value[0]) is None:
-        return [as_token_ids("prompts", value)]
+    if not isinstance(value[0], (list, tuple)) and getattr(value[0], "ndim", 0) == 0:
+        return [as_token_ids("prompts", value)]  # ids: ints, numpy integers, 0-d tensors
     return [as_token_ids(f"prompts[{i}]", p) for i, p in enumerate(value)]

@@ -40,6 +40,15 @@ def test_a_misspelt_drafter_option_is_named_with_the_drafters_options(target):
     assert specdec.make_drafter("ngram", target, max_ngram=2).config.max_ngram == 2
 
 
+def test_a_misspelt_verifier_option_is_named_with_the_verifiers_options():
+    with pytest.raises(ValueError, match=r"verifier 'rejection' has no option 'in_kernel_temp'; its options are:"
+                                         r" in_kernel_temperature$"):
+        specdec.make_verifier("rejection", in_kernel_temp=True)
+    with pytest.raises(ValueError, match=r"verifier 'greedy' has no option 'x'; its options are: none$"):
+        specdec.make_verifier("greedy", x=1)
+    assert specdec.make_verifier("rejection", in_kernel_temperature=True).in_kernel_temperature
+
+
 def test_vocabulary_and_tokenizer_mismatch(target):
     with pytest.raises(ValueError, match="vocabulary"):
         specdec.make_drafter("draft_model", target, model=tiny_model("llama", vocab_size=40))

@@ -56,6 +56,14 @@ def test_tensor_and_numpy_prompts_give_the_list_result(target):
                             max_new_tokens=4).tokens == ref
 
 
+def test_a_list_of_numpy_integers_is_one_prompt_as_a_list_of_ints_is(target):
+    ref = specdec.generate(target, [1, 2, 3], drafter="ngram", max_new_tokens=4).tokens
+    assert len(ref) == 1
+    for ids in ([np.int64(1), np.int32(2), np.uint8(3)], list(np.array([1, 2, 3])),
+                [torch.tensor(1), torch.tensor(2), torch.tensor(3)]):
+        assert specdec.generate(target, ids, drafter="ngram", max_new_tokens=4).tokens == ref
+
+
 @pytest.mark.parametrize("k, max_new_tokens, error, match", [
     (1.5, 4, TypeError, "k .* must be an integer"),
     (True, 4, TypeError, "k .* must be an integer"),
