@@ -30,7 +30,7 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
 3. **planted**: end-to-end greedy decoding on that target at concurrency 1, 4, 16, 64 with
    :class:`PlantedDrafter` (its own greedy continuation, each position accepted with probability
    p), k drafts every step and again under the batch-aware prefix scheduler
-   (:class:`specdec.scheduler.ScheduledDrafter`: DSpark's rule, its confidences the planted p, its
+   (:class:`specdec.policy.PrefixPolicy`: DSpark's rule, its confidences the planted p, its
    costs the forward section's verify times at that batch and the planted run's draft time):
    measured speedup vs the same loop without a drafter, and the speedup predicted from acceptance
    and measured costs (``specdec.eval.runner.predicted_speedup``), for both. A systems benchmark:
@@ -384,15 +384,15 @@ def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, A
 # ------------------------------------------------------------------------------------------------
 # 3. planted acceptance, 4. real acceptance
 
-def decode(target, drafter, prompts: list[list[int]], new_tokens: int, k: int):
-    """One greedy run of the loop (no EOS: every row makes ``new_tokens``). On a GPU its phases
-    sync the device (``timed``): unsynced, they time the host's launches and the predicted
-    speedup built from them is wrong."""
+def decode(target, drafter, prompts: list[list[int]], new_tokens: int, k: int, policy=None):
+    """One greedy run of the loop (no EOS: every row makes ``new_tokens``), under a draft-length
+    ``policy`` if given. On a GPU its phases sync the device (``timed``): unsynced, they time the
+    host's launches and the predicted speedup built from them is wrong."""
     from specdec.loop import Request, run
     from specdec.verifiers.greedy import GreedyVerifier
 
     return run(target, drafter, GreedyVerifier(), [Request(list(p), new_tokens) for p in prompts], k=k,
-               eos_token_ids=set(), timed=target.device.type == "cuda")
+               eos_token_ids=set(), timed=target.device.type == "cuda", policy=policy)
 
 
 def warm_verifier(target, k: int) -> None:
@@ -440,7 +440,7 @@ def planted_costs(target, device: str, dry: bool, c: int, k: int, forward_rows: 
     """The scheduler's step costs at concurrency ``c``: verify times of a [c, m] block from the
     forward section (measured here when it did not run at batch ``c``), the draft pass from the
     planted run without the scheduler (seconds per batch step)."""
-    from specdec.scheduler import StepCosts
+    from specdec.policy import StepCosts
 
     at_c = {r["m"]: r["ms"] / 1e3 for r in forward_rows if r["batch"] == c}
     source = f"forward section, batch {c}"
@@ -456,9 +456,9 @@ def planted_costs(target, device: str, dry: bool, c: int, k: int, forward_rows: 
 def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int,
                   forward_rows: list[dict]) -> dict[str, Any]:
     """Per concurrency: autoregressive decoding, the planted drafter, and the planted drafter under
-    the batch-aware prefix scheduler (:class:`specdec.scheduler.ScheduledDrafter`, its confidences
+    the batch-aware prefix scheduler (:class:`specdec.policy.PrefixPolicy`, its confidences
     the planted p, its costs the measured verify and draft times)."""
-    from specdec.scheduler import ScheduledDrafter
+    from specdec.policy import PrefixPolicy
     from specdec.testing.planted import PlantedDrafter
 
     prompt_len, new_tokens, concurrencies = (16, 12, (1, 4)) if dry else (128, 64, (1, 4, 16, 64))
@@ -475,7 +475,7 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
         conts = {tuple(q): r.tokens for q, r in zip(prompts, ar.requests)}
         plain = decode(target, planted(conts), prompts, new_tokens, k)
         costs, source = planted_costs(target, device, dry, c, k, forward_rows, plain)
-        scheduled = decode(target, ScheduledDrafter(planted(conts), costs), prompts, new_tokens, k)
+        scheduled = decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
         rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
         costs_used[c] = {"source": source, **asdict(costs)}
     return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
@@ -634,7 +634,7 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 f"p = {pr['p']} per position, on the forward section's target; greedy; prompts of "
                 f"{pr['prompt_tokens']} tokens. Each concurrency: one autoregressive run, the planted drafter at"
                 " k drafts a step, and the same drafter under the batch-aware prefix scheduler"
-                " (`specdec.scheduler.ScheduledDrafter`: confidences = the planted p, costs = the measured"
+                " (`specdec.policy.PrefixPolicy`: confidences = the planted p, costs = the measured"
                 " verify times of a [concurrency, m] block and the planted run's draft time).", ""]
         out += _spec_table(pr["rows"], lead="scheduler")
     if "mtp" in results:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ from specdec.metrics import RequestMetrics, RunMetrics
 from specdec.policy import DraftPolicy, make_policy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
+from specdec.timing import now
 from specdec.types import Committed, DraftProposal, Requirements, node_depths
 from specdec.validate import as_int, as_token_ids
 from specdec.verifier import Verifier
@@ -97,13 +97,10 @@ class _Clock:
     (the device's work then lands wherever the host next waits: the step's one read)."""
 
     def __init__(self, device: torch.device, timed: bool):
-        self.device_sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self.timed = timed
+        self.device, self.timed = device, timed
 
     def __call__(self, final: bool = False) -> float:
-        if self.timed or final:
-            self.device_sync()
-        return time.perf_counter()
+        return now(self.device if self.timed or final else None)
 
 
 def interactive() -> bool:
@@ -192,11 +189,12 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
                 drafter.select_rows(state, keep_rows)
         nb = len(live)
         ta = clock()
-        proposal = drafter.propose(state, k, rows) if drafter is not None else DraftProposal.empty(nb, dev)
+        live_ids = torch.tensor(live, device="cpu") if policy is not None else None  # [nb] request ids (host)
+        skip = policy is not None and policy.skip(chosen, k, live_ids)  # the policy asks for a plain step
+        proposal = drafter.propose(state, k, rows) if drafter is not None and not skip else DraftProposal.empty(nb, dev)
         proposal.check_shapes(nb, V)
         bad = proposal.invalid(V)  # read with the step's one synchronisation, below
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            live_ids = torch.tensor(live, device="cpu")  # [nb] the rows' request ids: host-side policy state
             proposal = proposal.with_num_valid(policy.choose(chosen, proposal, live_ids))
         proposal = _trim(proposal)
         tb = clock()

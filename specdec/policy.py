@@ -26,12 +26,19 @@ of each step, where a block size never measured is assumed as cheap as the data 
 policy tries it once and learns). When drafting cannot pay, the policy verifies nothing (``w = 0``,
 plain decoding; the draft pass is still paid, as the policy decides after it) and re-probes the
 whole draft after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
+
+:class:`PrefixPolicy` is DSpark's prefix scheduler (below :func:`schedule`): a chain's confidences
+admitted draft by draft under one budget for the batch, and a draft pass skipped altogether
+(:meth:`DraftPolicy.skip`, asked before ``propose``) while the last confidences say drafting cannot
+pay. DSpark's ``scheduler=True`` applies it to its own drafts; ``policy="prefix"`` to any drafter
+that reports a confidence or a q.
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -39,10 +46,11 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from specdec.timing import repeat
 from specdec.types import DraftProposal, node_depths
 
-__all__ = ["Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "best_lengths", "make_policy",
-           "POLICIES"]
+__all__ = ["Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "PrefixPolicy", "best_lengths",
+           "schedule", "survival", "best_throughput", "profile_step_costs", "make_policy", "POLICIES"]
 
 _HOST = torch.device("cpu")  # the policy's statistics and choices are small: kept and computed on the host
 
@@ -181,6 +189,11 @@ class DraftPolicy(ABC):
     def choose(self, state: Any, proposal: DraftProposal, requests: Tensor) -> Tensor:
         """``num_valid`` [B] for this step, each at most the proposal's; ``requests`` [B] are the
         rows' request indices in the run (rows leave the batch as they finish)."""
+
+    def skip(self, state: Any, k: int, requests: Tensor) -> bool:
+        """Whether to skip this step's draft pass altogether (plain decoding: an empty proposal,
+        the drafter not asked). Asked before ``propose``; never by default."""
+        return False
 
     def observe(self, state: Any, proposal: DraftProposal, num_accepted: Tensor, requests: Tensor,
                 draft_s: float, verify_s: float) -> None:
@@ -323,7 +336,168 @@ class AdaptivePolicy(DraftPolicy):
             self.cal_accepted = self.cal_accepted * self.global_memory + torch.bincount(b[hit], minlength=self.BINS)
 
 
-POLICIES: dict[str, type[DraftPolicy]] = {"adaptive": AdaptivePolicy}
+# --- the prefix scheduler (DSpark, arXiv 2607.05147, Algorithm 1) -------------------------------
+#
+# A drafter with calibrated per-draft confidences ``c_{r,j}`` (the probability that draft ``j`` of
+# row ``r`` is accepted given drafts ``< j`` were) knows each draft's survival ``a_{r,j} = Π_{i≤j}
+# c_{r,i}``; verifying ``ℓ_r`` drafts of row ``r`` emits ``τ = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j})`` tokens
+# in expectation. The scheduler maximises ``Θ = τ / (verify(n) + draft(R))`` greedily: every
+# ``(r, j)`` sorted by ``a`` (highest first; survival falls along a row, so each row keeps a
+# contiguous prefix), admitted one by one up to the step's token budget, keeping the admitted
+# prefix with the highest Θ. (Algorithm 1 stops at the first decrease of Θ, the same prefix when
+# each admission costs a little more than the last; on a padded block the first draft of a column
+# pays for the whole column, so stopping there would never draft past one column at batch > 1.)
+# One budget is shared by the batch: a confident row gets drafts a doubtful one gives up.
+# This loop verifies a rectangular block (rows padded to the longest), so a step costs
+# ``verify(R · (1 + max ℓ))``; ``ragged=True`` prices ``Σ (1 + ℓ_r)`` tokens instead, as a
+# variable-length attention kernel would.
+
+def survival(conf: Tensor) -> Tensor:
+    """Survival probabilities ``a_{r,j} = Π_{i≤j} c_{r,i}``. [R, γ] → [R, γ]"""
+    return conf.double().clamp(0, 1).cumprod(-1)
+
+
+def _step_tokens(lengths: list[int], ragged: bool) -> int:
+    return sum(1 + x for x in lengths) if ragged else len(lengths) * (1 + max(lengths, default=0))
+
+
+def schedule(conf: Tensor, costs: Costs, budget: int | None = None, ragged: bool = False,
+             draft_cost: bool = True) -> Tensor:
+    """Drafts to verify per row, ``num_valid`` [R] in ``[0, γ]``, from confidences [R, γ].
+
+    ``budget`` caps the drafts verified in total this step (None: no cap beyond γ per row).
+    ``draft_cost`` includes the (already paid) draft pass in the step time; it shifts Θ but is the
+    same for every choice, so it changes only where Θ is compared across steps.
+    """
+    R, gamma = conf.shape
+    a = survival(conf.cpu())
+    lengths = [0] * R
+    fixed = costs.draft(R) if draft_cost else 0.0
+    tau = float(R)
+    best_theta, best = tau / (costs.verify(_step_tokens(lengths, ragged)) + fixed), list(lengths)
+    # highest survival first; ties by position so a row's prefix stays contiguous
+    order = sorted(((-float(a[r, j]), j, r) for r in range(R) for j in range(gamma)))
+    for admitted, (neg_a, j, r) in enumerate(order):
+        if budget is not None and admitted >= budget:
+            break
+        lengths[r] += 1  # j == lengths[r] before: survival never rises along a row
+        tau -= neg_a
+        theta = tau / (costs.verify(_step_tokens(lengths, ragged)) + fixed)
+        if theta > best_theta:
+            best_theta, best = theta, list(lengths)
+    return torch.tensor(best, dtype=torch.long, device=conf.device)
+
+
+def best_throughput(conf: Tensor, costs: Costs, budget: int | None = None, ragged: bool = False
+                    ) -> tuple[float, float]:
+    """Expected tokens/s of the scheduled step (draft pass included) and of a plain
+    autoregressive step for the same rows: the scheduler's case for drafting at all."""
+    lengths = schedule(conf, costs, budget, ragged).tolist()
+    a = survival(conf.cpu())
+    tau = len(lengths) + sum(float(a[r, :n].sum()) for r, n in enumerate(lengths))
+    spec = tau / (costs.verify(_step_tokens(lengths, ragged)) + costs.draft(len(lengths)))
+    ar = len(lengths) / costs.verify(len(lengths))
+    return spec, ar
+
+
+def profile_step_costs(verify_fn: Callable[[int, int], float], draft_fn: Callable[[int], float],
+                       rows: tuple[int, ...] = (1, 4, 16, 32), widths: tuple[int, ...] = (1, 3, 9),
+                       repeats: int = 3, cache: str | Path | None = None) -> StepCosts:
+    """A :class:`StepCosts` table measured on this machine, once: ``verify_fn(rows, width)`` returns
+    the seconds of one target forward over a [rows, width] block, ``draft_fn(rows)`` those of one
+    draft pass (each timing only that call, :class:`specdec.timing.Stopwatch`). Medians of
+    ``repeats`` after a warm-up (:func:`specdec.timing.repeat`); read from / written to ``cache``
+    (a JSON path) so start-up profiles once. Verify times are indexed by tokens in the block."""
+    if cache is not None and Path(cache).exists():
+        return StepCosts.load(cache)
+    by_tokens: dict[int, list[float]] = {}
+    for r in rows:
+        for w in widths:
+            by_tokens.setdefault(r * w, []).append(repeat(lambda: verify_fn(r, w), repeats).median)
+    draft = [repeat(lambda: draft_fn(r), repeats).median for r in rows]
+    tokens = sorted(by_tokens)
+    costs = StepCosts(tokens, [sum(by_tokens[n]) / len(by_tokens[n]) for n in tokens], list(rows), draft)
+    if cache is not None:
+        costs.save(cache)
+    return costs
+
+
+@dataclass
+class _PrefixState:
+    probe_gap: int  # steps the scheduler may skip before it drafts again to re-probe
+    skipped: int = 0  # steps skipped since the last draft
+    conf: Tensor | None = None  # [R, γ] each request's last drafts' confidences (host)
+
+
+class PrefixPolicy(DraftPolicy):
+    """DSpark's prefix scheduler as a draft-length policy: per step, :func:`schedule` on the chain's
+    confidences; between steps, when the last confidences say even the best schedule is slower
+    than autoregressive decoding, the draft pass is skipped (:meth:`skip`), re-probing after
+    ``probe_every`` steps and doubling that gap (up to 64) while it keeps saying so.
+
+    It reads ``DraftProposal.confidence`` where the drafter reports one (DSpark's confidence head,
+    the planted drafter's ``p``), else the q of each drafted token; a chain with neither, or a
+    tree, is an error (the adaptive policy handles those). Costs: a :class:`StepCosts` table (DSpark
+    profiles one at start-up) or, by default, :class:`MeasuredCosts` learnt from the loop's timings.
+    One budget shared by the batch makes a row's random stream (not its distribution) depend on
+    the other rows. DSpark's ``scheduler=True`` applies this policy to its own proposals."""
+
+    name = "prefix"
+
+    def __init__(self, costs: Costs | None = None, budget: int | None = None, ragged: bool = False,
+                 probe_every: int = 8):
+        if budget is not None and budget < 0:
+            raise ValueError(f"PrefixPolicy budget must be >= 0 drafts a step or None, got {budget}")
+        if probe_every < 1:
+            raise ValueError(f"PrefixPolicy probe_every must be >= 1, got {probe_every}")
+        self.costs = costs if costs is not None else MeasuredCosts()
+        self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
+
+    def start(self, batch: int, k: int = 0) -> _PrefixState:
+        return _PrefixState(self.probe_every)
+
+    def skip(self, state: _PrefixState, k: int, requests: Tensor) -> bool:
+        if state.conf is None or state.conf.shape[1] != k:
+            return False
+        spec, ar = best_throughput(state.conf[requests.cpu()], self.costs, self.budget, self.ragged)
+        if spec >= ar:
+            state.skipped, state.probe_gap = 0, self.probe_every
+            return False
+        state.skipped += 1
+        if state.skipped >= state.probe_gap:  # probe: draft once to refresh the confidences
+            state.skipped, state.probe_gap = 0, min(2 * state.probe_gap, 64)
+            return False
+        return True
+
+    def choose(self, state: _PrefixState, proposal: DraftProposal, requests: Tensor) -> Tensor:
+        assert proposal.num_valid is not None
+        if proposal.n == 0:
+            return proposal.num_valid
+        if not proposal.is_chain:
+            raise ValueError("the prefix scheduler shortens chains; this drafter proposed a tree"
+                             " (the adaptive policy cuts trees by levels)")
+        conf = AdaptivePolicy._confidence(proposal)
+        if conf is None:
+            raise ValueError("the prefix scheduler reads each draft's confidence (DraftProposal.confidence, or"
+                             " the q of the drafted token); this drafter reports neither: use the adaptive policy")
+        r = requests.cpu()
+        if state.conf is None or state.conf.shape[1] != conf.shape[1]:
+            state.conf = torch.zeros(int(r.max()) + 1, conf.shape[1], dtype=torch.float64, device=_HOST)
+        elif int(r.max()) >= state.conf.shape[0]:
+            pad = state.conf.new_zeros(int(r.max()) + 1 - state.conf.shape[0], conf.shape[1])
+            state.conf = torch.cat([state.conf, pad])
+        state.conf[r] = conf
+        lengths = schedule(conf, self.costs, self.budget, self.ragged)
+        return torch.minimum(proposal.num_valid, lengths.to(proposal.num_valid.device))
+
+    def observe(self, state: _PrefixState, proposal: DraftProposal, num_accepted: Tensor, requests: Tensor,
+                draft_s: float, verify_s: float) -> None:
+        if isinstance(self.costs, MeasuredCosts):
+            B = proposal.tokens.shape[0]
+            self.costs.record(B, B * (1 + proposal.n), draft_s, verify_s)
+
+
+POLICIES: dict[str, type[DraftPolicy]] = {"adaptive": AdaptivePolicy, "prefix": PrefixPolicy}
 
 
 def make_policy(spec: DraftPolicy | str | None) -> DraftPolicy | None:

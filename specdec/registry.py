@@ -22,7 +22,7 @@ from specdec.drafter import Drafter
 from specdec.verifier import Verifier
 
 __all__ = ["Registry", "DRAFTERS", "VERIFIERS", "register_drafter", "register_verifier", "drafter_class",
-           "verifier_class"]
+           "verifier_class", "transformers_peers", "transformers_peer"]
 
 T = TypeVar("T")
 
@@ -82,6 +82,22 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and (name in self._classes or name in _entry_points(self.group))
+
+
+def transformers_peers() -> list[str]:
+    """Names of the transformers ``generate()`` peers that installed packages declare (entry-point
+    group ``specdec.transformers_peers``), each mirroring one drafter: what the runner may run side
+    by side, naming no drafter itself."""
+    return sorted(_entry_points("specdec.transformers_peers"))
+
+
+def transformers_peer(name: str) -> Callable[..., dict]:
+    """The hook of peer ``name``: ``(target, drafter, k) -> generate()``'s extra keyword arguments;
+    it lives in the mirrored drafter's room and checks that the run's drafter is the one it mirrors."""
+    ep = _entry_points("specdec.transformers_peers").get(name)
+    if ep is None:
+        raise ValueError(f"unknown transformers peer {name!r}; known: {transformers_peers()}")
+    return ep.load()
 
 
 DRAFTERS: Registry[Drafter] = Registry("drafter", "specdec.drafters", Drafter)

@@ -26,7 +26,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
 
 from specdec.drafters import DraftModelDrafter  # noqa: E402
-from specdec.scheduler import StepCosts  # noqa: E402
+from specdec.policy import StepCosts  # noqa: E402
 from specdec.registry import DRAFTERS as REGISTRY  # noqa: E402
 from specdec.target import Target  # noqa: E402
 from specdec.testing import RandomDrafter, Recording  # noqa: E402

@@ -16,7 +16,7 @@ from specdec.drafters.dspark.model import DSparkModel
 from specdec.kernels.markov import markov_chain, markov_sample_reference
 from specdec.loop import Request, run
 from specdec.sampling import RowSampling, SamplingParams, sample_from, warp
-from specdec.scheduler import StepCosts, best_throughput, profile_step_costs, schedule
+from specdec.policy import StepCosts, best_throughput, profile_step_costs, schedule
 from specdec.testing import assert_greedy_equivalent, greedy_reference
 from specdec.types import Committed
 from specdec.verifiers import GreedyVerifier
@@ -82,8 +82,7 @@ def test_confidences_are_probabilities_and_temperatures_apply(target):
     d = DSparkDrafter.tiny(target)
     rows = RowSampling([SamplingParams(temperature=1.0, seed=3)])
     state = _start(target, d, [1, 2, 3, 4, 5], rows)
-    d.propose(state, 4, rows)
-    c = state.conf
+    c = d.propose(state, 4, rows).confidence  # reported on every proposal, for a draft-length policy
     assert c.shape == (1, 4) and bool(((c > 0) & (c < 1)).all())
     hidden = d.block_hidden(state, 4)
     tokens = torch.zeros(1, 4, dtype=torch.long)
@@ -212,18 +211,19 @@ def test_scheduler_is_lossless_sampled(target, monkeypatch):
     """χ² of sampled output with the prefix scheduler on: it only shortens what is verified, so the
     output must still be distributed as the target's; here the shared budget also shortens drafts
     (the conformance suite's scheduled cases check that some draft is verified)."""
-    import specdec.drafters.dspark.drafter as dspark_module
+    from specdec.policy import PrefixPolicy
     from specdec.testing import sampled_gof
     from specdec.verifiers import RejectionVerifier
 
     chosen: list[torch.Tensor] = []
+    choose = PrefixPolicy.choose
 
-    def recording_schedule(*args, **kwargs):
-        n = schedule(*args, **kwargs)
+    def recording_choose(self, *args, **kwargs):
+        n = choose(self, *args, **kwargs)
         chosen.append(n.clone())
         return n
 
-    monkeypatch.setattr(dspark_module, "schedule", recording_schedule)
+    monkeypatch.setattr(PrefixPolicy, "choose", recording_choose)
     # verifying is nearly free, so the schedule admits by confidence until the shared budget runs out
     d = DSparkDrafter.tiny(target, scheduler=True, costs=_linear_costs(per_token=1e-5, fixed=1.0, draft=0.05),
                            budget=1800, ragged=True)

@@ -21,8 +21,8 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from specdec.eval.runner import divergences, peer_kwargs, predicted_speedup, run_experiment, summary_markdown
-from specdec.eval.config import (HF_METHODS, DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig,
-                                 VerifierConfig, check_keys)
+from specdec.eval.config import (DatasetConfig, DrafterConfig, MethodConfig, RunConfig, TargetConfig,
+                                 VerifierConfig, check_keys, hf_methods)
 from specdec.data.datasets import load_dataset
 from specdec.drafters import DRAFTERS
 from specdec.loop import LossyVerifierWarning
@@ -357,11 +357,16 @@ def test_transformers_gemma4_assistant_runs_the_same_gemma_mtp_assistant():
 
 
 def test_every_peer_hook_lives_in_a_drafter_room_and_the_runner_names_no_drafter():
-    for kind, hook in HF_METHODS.items():
-        if hook is None:
-            continue
-        module, _, fn = hook.partition(":")
-        assert module.startswith("specdec.drafters.") and callable(getattr(importlib.import_module(module), fn))
+    """The peers are entry points (tests/test_layout.py checks that the runner's package names no
+    drafter module anywhere)."""
+    from importlib.metadata import entry_points
+
+    from specdec.registry import transformers_peer
+
+    peers = {ep.name: ep.value for ep in entry_points(group="specdec.transformers_peers")}
+    assert set(hf_methods()) == {"generate", *peers} and {"prompt_lookup", "assistant", "mtp"} <= set(peers)
+    for kind, hook in peers.items():
+        assert hook.startswith("specdec.drafters.") and callable(transformers_peer(kind))
     source = (ROOT / "specdec" / "eval" / "runner.py").read_text()
     assert "specdec.drafters" not in source.replace("from specdec.drafters import DRAFTERS", "")
     for name in DRAFTERS:

@@ -10,20 +10,23 @@ Three changes to DFlash (:mod:`specdec.drafters.dflash.drafter`):
    target's; ``q`` is exactly the distribution each token was drawn from. Greedy drafting takes
    the argmaxes in the same order and returns ``q = None``.
 3. **Confidences and the prefix scheduler.** The confidence head gives ``c_k`` per draft
-   (temperature-calibrated); with ``scheduler=True`` :func:`specdec.scheduler.schedule` sets
-   ``num_valid`` per row from the survival products and a step-cost table profiled once at
-   start-up for ``profile_gamma`` drafts a step (default: the trained block's), or passed as ``costs``. When even the best schedule is expected to be slower than
-   autoregressive decoding, the next step skips drafting (an empty proposal, also lossless),
-   re-probing after ``probe_every`` steps (backing off while it keeps saying so). The scheduler
-   is off by default: it makes how many tokens a row verifies depend on the other rows, so a
-   row's *random stream* (not its output distribution) then depends on its batch.
+   (temperature-calibrated), reported on every proposal (``DraftProposal.confidence``) for any
+   draft-length policy. ``scheduler=True`` applies the prefix scheduler
+   (:class:`specdec.policy.PrefixPolicy`) to DSpark's own proposals, with a step-cost table
+   profiled once at start-up for ``profile_gamma`` drafts a step (default: the trained block's), or
+   passed as ``costs``: ``num_valid`` per row from the survival products, and a skipped draft pass
+   (an empty proposal, also lossless) while even the best schedule is expected to be slower than
+   autoregressive decoding, re-probing after ``probe_every`` steps. Applied here rather than by the
+   loop, a policy handed to the loop still stacks on top of it. The same schedule for another
+   drafter is ``policy=PrefixPolicy(costs)``. The scheduler is off by default: it makes how many
+   tokens a row verifies depend on the other rows, so a row's *random stream* (not its output
+   distribution) then depends on its batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,20 +38,24 @@ from torch import Tensor
 from specdec.drafters.dflash.drafter import BlockDrafter, BlockState
 from specdec.drafters.dflash.model import BlockDraftModel
 from specdec.drafters.dspark.model import DSparkConfig, DSparkModel
-from specdec.scheduler import ScheduleState, StepCosts, profile_step_costs, schedule, skip_step
 from specdec.kernels.markov import markov_chain, markov_sample
 from specdec.models import cache_dir
+from specdec.policy import PrefixPolicy, StepCosts, profile_step_costs
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
+from specdec.timing import Stopwatch
 from specdec.types import Committed, DraftProposal
 
 __all__ = ["DSparkDrafter", "DSparkState"]
 
 
 @dataclass
-class DSparkState(ScheduleState, BlockState):
-    """DFlash's block state (anchors, pending, cache) plus what the prefix scheduler carries from
-    step to step (probe_gap, skipped, conf)."""
+class DSparkState(BlockState):
+    """DFlash's block state (anchors, pending, cache) plus, under the prefix scheduler, its
+    per-run state and each row's request index in the run (rows leave as they finish)."""
+
+    schedule: Any = None
+    requests: Tensor | None = None
 
 
 class DSparkDrafter(BlockDrafter):
@@ -74,39 +81,43 @@ class DSparkDrafter(BlockDrafter):
         self.costs = StepCosts.load(costs) if isinstance(costs, (str, Path)) else costs
         self.budget, self.ragged, self.probe_every = budget, ragged, probe_every
         self.profile_gamma = profile_gamma  # the k the costs are profiled at (default: the trained block's drafts)
+        self.policy: PrefixPolicy | None = None  # built at bind, once the costs are known
 
     def bind(self, target: Target) -> None:
         super().bind(target)
         if self.scheduler and self.costs is None:
             self.costs = self.profile(target, gamma=self.profile_gamma)
+        if self.scheduler:
+            self.policy = PrefixPolicy(self.costs, self.budget, self.ragged, self.probe_every)
 
     def start(self, prefill: Committed, rows: RowSampling) -> DSparkState:
         s = super().start(prefill, rows)
-        return DSparkState(s.anchors, s.pending, s.cache, probe_gap=self.probe_every)
+        B = s.anchors.shape[0]
+        if self.policy is None:
+            return DSparkState(s.anchors, s.pending, s.cache)
+        return DSparkState(s.anchors, s.pending, s.cache, self.policy.start(B), torch.arange(B))
 
     def select_rows(self, state: DSparkState, rows: Tensor) -> None:
         super().select_rows(state, rows)
-        if state.conf is not None:
-            state.conf = state.conf[rows.to(state.conf.device)]
+        if state.requests is not None:
+            state.requests = state.requests[rows.cpu()]
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, state: DSparkState, k: int, rows: RowSampling) -> DraftProposal:
         B = state.anchors.shape[0]
-        if self.scheduler and self._skip(state, k):
+        if self.policy is not None and state.requests is not None and self.policy.skip(state.schedule, k, state.requests):
             return DraftProposal.empty(B, self.target.device)
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
         base = self.target.logits(hidden, self.head_dtype, self.drafted_ids())  # [B, k, V]
         greedy = self.greedy_draft or rows.all_greedy
         u = rows.draft_uniform(k)  # drawn when greedy too: the drafter's stream advances alike
         tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)
-        num_valid = None
-        if self.model.confidence_head is not None:
-            state.conf = self.confidences(hidden, state.anchors, tokens)
-            if self.scheduler:
-                assert self.costs is not None
-                num_valid = schedule(state.conf, self.costs, self.budget, self.ragged)
-        return DraftProposal.chain(tokens, q, num_valid, state.conf)  # conf: advice for a draft-length policy
+        conf = None if self.model.confidence_head is None else self.confidences(hidden, state.anchors, tokens)
+        proposal = DraftProposal.chain(tokens, q, None, conf)  # conf: advice for a draft-length policy
+        if self.policy is not None and state.requests is not None:
+            proposal = proposal.with_num_valid(self.policy.choose(state.schedule, proposal, state.requests))
+        return proposal
 
     def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, u: Tensor, rows: RowSampling,
                 greedy: bool) -> tuple[Tensor, Tensor | None]:
@@ -132,11 +143,6 @@ class DSparkDrafter(BlockDrafter):
             logits = logits / t
         return torch.sigmoid(logits)
 
-    def _skip(self, state: DSparkState, k: int) -> bool:
-        """The scheduler's skip rule (:func:`specdec.scheduler.skip_step`) on the last confidences."""
-        assert self.costs is not None
-        return skip_step(state, k, self.costs, self.budget, self.ragged, self.probe_every)
-
     # --- start-up profiling -------------------------------------------------------------------
     def profile(self, target: Target, context: int = 32, gamma: int | None = None) -> StepCosts:
         """Profile the verify and draft costs on this machine once (a few seconds); cached under
@@ -148,36 +154,26 @@ class DSparkDrafter(BlockDrafter):
         path = cache_dir() / "step_costs" / f"{key.hexdigest()[:16]}.json"
         gen = torch.Generator().manual_seed(0)
         sessions: dict[int, Any] = {}
-        sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
         def verify(r: int, w: int) -> float:
             if r not in sessions:  # one prefilled context per batch size, reused
                 sessions[r] = target.new_session(r)
                 target.prefill(sessions[r], torch.randint(0, target.vocab_size, (r, context), generator=gen).tolist())
             block = torch.randint(0, target.vocab_size, (r, w), generator=gen).to(target.device)
-            sync()
-            t0 = time.perf_counter()
-            target.forward(sessions[r], block)
-            sync()
-            dt = time.perf_counter() - t0
+            with Stopwatch(target.device) as sw:
+                target.forward(sessions[r], block)
             target.commit(sessions[r], torch.zeros(r, w, dtype=torch.bool))  # holes: the context stays put
-            return dt
+            return sw.seconds
 
         def draft(r: int) -> float:
             feats = torch.randn(r, context, self.model.fc.in_features, generator=gen).to(target.device, target.dtype)
             state = DSparkState(torch.zeros(r, dtype=torch.long, device=target.device), list(feats),
-                                self.new_context(r), self.probe_every)
+                                self.new_context(r))  # no schedule: the plain draft pass
             rows = RowSampling([SamplingParams(temperature=1.0, seed=0)] * r, target.device)
             self.extend_context(state)
-            sync()
-            t0 = time.perf_counter()
-            self.propose(state, gamma, rows)
-            sync()
-            return time.perf_counter() - t0
+            with Stopwatch(target.device) as sw:
+                self.propose(state, gamma, rows)
+            return sw.seconds
 
-        scheduler, self.scheduler = self.scheduler, False  # profile the plain draft pass
-        try:
-            with torch.inference_mode():
-                return profile_step_costs(verify, draft, widths=(1, 1 + gamma // 2, 1 + gamma), cache=path)
-        finally:
-            self.scheduler = scheduler
+        with torch.inference_mode():
+            return profile_step_costs(verify, draft, widths=(1, 1 + gamma // 2, 1 + gamma), cache=path)

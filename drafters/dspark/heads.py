@@ -14,7 +14,7 @@ bias ``W2·tanh(out)``), so position ``k`` sees the whole drafted prefix.
 **Confidence head.** ``c_k = σ(proj([h_k; W1[x_{k−1}]]) / T_k)``: the probability that draft ``k``
 is accepted given the ones before it were. ``T_k`` come from post-hoc sequential temperature
 scaling (:func:`calibrate_temperatures`); ``Π_{i≤k} c_i`` is then a calibrated survival
-probability, what the prefix scheduler (:mod:`specdec.scheduler`) trades on.
+probability, what the prefix scheduler (:class:`specdec.policy.PrefixPolicy`) trades on.
 
 Drafts are drawn by the one Markov sampler, :func:`specdec.kernels.markov.markov_chain`, with
 the bias :meth:`MarkovHead.sampler_bias` gives.

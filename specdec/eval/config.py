@@ -15,26 +15,22 @@ from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 
 from specdec.data.config import DATASETS, DatasetConfig, TargetConfig
 from specdec.policy import POLICIES
+from specdec.registry import transformers_peers
 from specdec.sampling import SamplingParams
 
 __all__ = ["TargetConfig", "DrafterConfig", "VerifierConfig", "DatasetConfig", "MethodConfig", "RooflineConfig",
-           "RunConfig", "Method", "DATASETS", "HF_METHODS", "MODES", "POLICY_NAMES", "check_keys"]
+           "RunConfig", "Method", "DATASETS", "hf_methods", "MODES", "POLICY_NAMES", "check_keys"]
 
 # what a run does: "decode" runs the dataset through every method (specdec.eval.runner); "roofline"
 # times the target forward against this machine's limits (specdec.eval.roofline)
 MODES = ("decode", "roofline")
 
-# transformers generate() peers, run side by side (batch 1): name -> the hook in a drafter's room
-# ("module:function") that returns generate()'s extra keyword arguments for (target, drafter, k); the hook
-# checks that the run's drafter is the one it mirrors. None: plain generate(), the peer of the `ar` loop.
-HF_METHODS: dict[str, str | None] = {
-    "generate": None,
-    "prompt_lookup": "specdec.drafters.ngram:transformers_peer",  # prompt_lookup_num_tokens=k
-    "assistant": "specdec.drafters.draft_model:transformers_peer",  # assistant_model=<the same draft LM>
-    "mtp": "specdec.drafters.mtp.peer:transformers_peer",  # use_mtp=True on the target's own MTP layers
-    "dflash": "specdec.drafters.dflash.peer:transformers_peer",  # the DFlash candidate generator, same weights
-    "gemma_mtp": "specdec.drafters.gemma_mtp.peer:transformers_peer",  # the Gemma-4 assistant, same weights
-}
+
+def hf_methods() -> tuple[str, ...]:
+    """transformers ``generate()`` peers a run may decode side by side (batch 1, ``hf_compare``):
+    ``generate`` (plain, the peer of the ``ar`` loop) and every peer a drafter's room declares
+    (:func:`specdec.registry.transformers_peers`); the runner names no drafter."""
+    return ("generate", *transformers_peers())
 
 
 # draft-length policies (specdec.policy): "fixed" verifies every proposed node (k), "adaptive" as many as pay
@@ -132,7 +128,7 @@ class RunConfig:
     seed: int = 0  # request i samples with seed + i; the random dataset and shuffling use it too
     baseline: bool = True  # also decode autoregressively in the same run (speedups need it)
     methods: dict[str, MethodConfig] = field(default_factory=dict)  # {} = one method "spec": the drafter at k
-    hf_compare: list[str] = field(default_factory=list)  # keys of HF_METHODS run side by side
+    hf_compare: list[str] = field(default_factory=list)  # hf_methods() run side by side
     warmup: bool = True  # one short untimed run of every method first
     progress: bool = True  # tqdm bars
     threads: int = 1  # torch intra-op CPU threads (experiments/run.py sets them): one keeps timings stable on a shared CPU
@@ -148,9 +144,9 @@ class RunConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        unknown = sorted(set(self.hf_compare) - set(HF_METHODS))
+        unknown = sorted(set(self.hf_compare) - set(hf_methods()))
         if unknown:
-            raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(HF_METHODS)}")
+            raise ValueError(f"unknown hf_compare methods {unknown}; known: {sorted(hf_methods())}")
         _check_policy("policy", self.policy)
         for key, m in self.methods.items():
             _check_policy(f"methods.{key}.policy", m.policy)

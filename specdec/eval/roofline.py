@@ -54,7 +54,6 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +67,7 @@ from specdec.gqa_attention import packed_rows
 from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
+from specdec.timing import Stopwatch, measure
 
 __all__ = ["run_roofline", "ForwardCost", "PeakMemory", "TensorPeak", "stream_bandwidth", "linear_peak", "tree_parents"]
 
@@ -79,24 +79,11 @@ SPEEDUP_KEYS = ("drafter", "k", "requests", "new_tokens", "tokens_per_s", "speed
 # ------------------------------------------------------------------------------------------------
 # timing and memory
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _times(fn: Callable[[], Any], reps: int, device: torch.device, after: Callable[[], None] | None = None
            ) -> list[float]:
-    """Wall seconds of ``reps`` calls of ``fn``; ``after`` runs untimed after each."""
-    out = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
-        if after is not None:
-            after()
-    return out
+    """Wall seconds of ``reps`` calls of ``fn`` (:func:`specdec.timing.measure`, no warm-up: the
+    callers warm up themselves); ``after`` runs untimed after each."""
+    return list(measure(fn, reps, warmup=0, device=device, after=after).samples)
 
 
 class PeakMemory:
@@ -426,10 +413,9 @@ def context_sweep(target: Target, rc: RooflineConfig, gen: torch.Generator) -> l
             blocks = [_ids(gen, target.vocab_size, 1, m) for m in rc.context_new_tokens]
             tensors = TensorPeak() if count_tensors else None
             with torch.inference_mode(), tensors or contextlib.nullcontext():
-                t0 = time.perf_counter()
-                fwd = IMPLS[impl](target, context, max(rc.context_new_tokens))
-                _sync(target.device)
-                prefill_s, prefill_peak = time.perf_counter() - t0, mem.peak_mib()
+                with Stopwatch(target.device) as prefill:
+                    fwd = IMPLS[impl](target, context, max(rc.context_new_tokens))
+                prefill_s, prefill_peak = prefill.seconds, mem.peak_mib()
                 mem.reset()
                 if tensors is not None:
                     for tokens in blocks:

@@ -12,9 +12,9 @@ Methods (keys of ``summary`` and the ``method`` field of every JSONL record):
   draft-length policy (``policy: adaptive``: one :class:`~specdec.policy.AdaptivePolicy` per method,
   which keeps what it measured from batch to batch);
 - ``hf_generate`` and the peers ``hf_<name>`` of ``hf_compare``: ``model.generate()`` plain, or with
-  the keyword arguments the peer's hook returns (:data:`~specdec.eval.config.HF_METHODS`: it lives in
-  the mirrored drafter's room and gets the first speculative method's drafter and k); batch 1, as
-  transformers' candidate generators support no more.
+  the keyword arguments the peer's hook returns (:func:`specdec.registry.transformers_peer`: an
+  entry point in the mirrored drafter's room, given the first speculative method's drafter and k);
+  batch 1, as transformers' candidate generators support no more.
 
 Requests run in batches of ``concurrency`` (static batching: a batch runs until its last row
 finishes; finished rows leave the batch at once). Batches of the methods are interleaved, so slow
@@ -29,10 +29,8 @@ separates it from the measured decode speedup.
 
 from __future__ import annotations
 
-import importlib
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,12 +40,14 @@ import torch
 from tqdm import tqdm
 
 from specdec.api import encode_messages, make_drafter, make_verifier
-from specdec.eval.config import HF_METHODS, DrafterConfig, RunConfig, TargetConfig
+from specdec.eval.config import DrafterConfig, RunConfig, TargetConfig
 from specdec.data.config import build_target
 from specdec.data.datasets import Sample, load_dataset
 from specdec.drafter import Drafter
 from specdec.loop import Request, run
 from specdec.metrics import RequestMetrics, RunMetrics, summarize
+from specdec.registry import transformers_peer
+from specdec.timing import now
 from specdec.policy import make_policy
 from specdec.provenance import git_sha
 from specdec.registry import drafter_class
@@ -130,20 +130,17 @@ class _FirstTokenTimer:
     def put(self, value) -> None:
         self.calls += 1
         if self.calls == 2 and self.first is None:  # the first put is the prompt
-            self.first = time.perf_counter()
+            self.first = now()
 
     def end(self) -> None:
         pass
 
 
 def peer_kwargs(kind: str, target: Target, drafter: Drafter | None, k: int) -> dict[str, Any]:
-    """Extra ``generate()`` arguments of the transformers peer ``kind``, from the hook that
-    :data:`~specdec.eval.config.HF_METHODS` names in the mirrored drafter's room."""
-    hook = HF_METHODS[kind]
-    if hook is None:
-        return {}
-    module, _, fn = hook.partition(":")
-    return getattr(importlib.import_module(module), fn)(target, drafter, k)
+    """Extra ``generate()`` arguments of the transformers peer ``kind``: none for plain
+    ``generate``, else from the hook the mirrored drafter's room declares
+    (:func:`specdec.registry.transformers_peer`)."""
+    return {} if kind == "generate" else transformers_peer(kind)(target, drafter, k)
 
 
 def _hf_method(target: Target, extra: dict[str, Any], eos: set[int]) -> BatchFn:
@@ -166,10 +163,10 @@ def _hf_method(target: Target, extra: dict[str, Any], eos: set[int]) -> BatchFn:
                 sampling = {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k or None, "top_p": s.top_p}
                 torch.manual_seed(s.seed if s.seed is not None else 0)
             timer = _FirstTokenTimer()
-            t0 = time.perf_counter()
+            t0 = now(target.device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=j.max_new_tokens,
                                  eos_token_id=eos_ids, pad_token_id=pad, streamer=timer, **sampling, **extra)
-            t1 = time.perf_counter()
+            t1 = now(target.device)
             new = out[0, ids.shape[1]:].tolist()
             if eos_ids is None:
                 finish = "length"

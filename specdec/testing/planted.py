@@ -73,12 +73,9 @@ class PlantedDrafter(Drafter):
         corrupt = torch.rand(B, k, generator=self.generator, device=host) >= self.p
         tokens = torch.where(corrupt, wrong, tokens)
         dev = self.target.device
-        return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev))
-
-    def draft_confidences(self, state: list[_Row], proposal: DraftProposal) -> Tensor:
-        """The planted acceptance, known exactly: ``p`` at every position. [B, n] (What
-        :class:`specdec.scheduler.ScheduledDrafter` schedules by.)"""
-        return torch.full(proposal.tokens.shape, self.p, device=proposal.tokens.device)
+        # the planted acceptance, known exactly: p at every position (what a prefix policy schedules by)
+        confidence = torch.full((B, k), self.p, device=dev)
+        return DraftProposal.chain(tokens.to(dev), None, num_valid.to(dev), confidence)
 
     def observe(self, state: list[_Row], committed: Committed) -> None:
         for row, n in zip(state, committed.num_tokens.tolist()):
