@@ -8,7 +8,8 @@ so the lossless rejection rule reduces to exact argmax matching.
 Random numbers are drawn on the device, batched: rows without a seed share one generator and
 draw in one call; a row that sets a seed has its own generators (one for the drafter, one for the
 verifier), so its tokens do not depend on the other rows of its batch or on how much the drafter
-drew (:class:`RowSampling`).
+drew (:class:`RowSampling`). Under the ``coupled`` verifier the rows' numbers are keyed by output
+position instead (:meth:`RowSampling.key_by_position`), shared by drafter and verifier.
 """
 
 from __future__ import annotations
@@ -139,6 +140,17 @@ class _Seeded:
         return self.verify.manual_seed(_mix(self.seed, self.step, stream))
 
 
+class _Keyed:
+    """The random state of one row under position-keyed noise (:meth:`RowSampling.key_by_position`,
+    the ``coupled`` verifier): the row's key (its seed, or fresh entropy when it set none), how many
+    tokens it has emitted, the noise of the positions this step has read, and how many positions
+    the drafter has drawn this step."""
+
+    def __init__(self, key: int):
+        self.key, self.emitted, self.drawn = key, 0, 0
+        self.cache: dict[int, Tensor] = {}  # position -> Exp(1) noise [V]
+
+
 class RowSampling:
     """Per-row sampling parameters as tensors (and as host flags, so no step reads them back),
     and the rows' random numbers, drawn on the device.
@@ -159,6 +171,7 @@ class RowSampling:
         self.greedy_rows = self.temperature == 0  # [B] bool
         self._seeded = [None if p.seed is None else _Seeded(p.seed, self.device) for p in params]
         self._shared = torch.Generator(self.device).manual_seed(secrets.randbits(62))  # the unseeded rows'
+        self._keyed: list[_Keyed] | None = None  # position-keyed noise, once key_by_position() is called
 
     @property
     def batch(self) -> int:
@@ -191,6 +204,7 @@ class RowSampling:
         sub.temperature, sub.top_k, sub.top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         sub.greedy_rows = self.greedy_rows[rows]
         sub._seeded = [self._seeded[i] for i in idx]
+        sub._keyed = None if self._keyed is None else [self._keyed[i] for i in idx]
         return sub
 
     def _draw(self, shape: tuple[int, ...], fill: Callable[[Tensor, torch.Generator], None], stream: int | None,
@@ -235,6 +249,55 @@ class RowSampling:
         self._end_step()
         return u, torch.where(self.greedy_rows.unsqueeze(1), 1.0, noise)
 
+    # --- position-keyed noise (the coupled verifier) ----------------------------------------------
+    def key_by_position(self) -> None:
+        """Key every row's random numbers by its output position: the token at position ``t`` of
+        a row is ``argmax_i p_i / E_i`` with ``E ~ Exp(1)^V`` drawn from ``(key, t)`` (the key is
+        the row's seed, or fresh entropy), and a drafter's chain draws (:meth:`draw`,
+        :meth:`sample`) race on the same noise. A seeded row's ``E`` at position ``t`` is what the
+        ``rejection`` verifier draws at step ``t`` of plain decoding, so both sample the same tokens."""
+        if self._keyed is None:
+            self._keyed = [_Keyed(p.seed if p.seed is not None else secrets.randbits(62)) for p in self.params]
+
+    @property
+    def keyed(self) -> bool:
+        return self._keyed is not None
+
+    def keyed_noise(self, offset: int, vocab_size: int) -> Tensor:
+        """``Exp(1)`` noise [B, V] float32 of each row's position ``emitted + offset`` (1 for
+        greedy rows: their race is the argmax), drawn once per step and position."""
+        assert self._keyed is not None, "key_by_position() first"
+        out = torch.ones(self.batch, vocab_size, dtype=torch.float32, device=self.device)
+        for b, (kd, p) in enumerate(zip(self._keyed, self.params)):
+            if p.greedy:
+                continue
+            t = kd.emitted + offset
+            if t not in kd.cache:
+                g = torch.Generator(self.device).manual_seed(_mix(kd.key, t, 1))
+                kd.cache[t] = torch.empty(vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=g)
+            out[b] = kd.cache[t]
+        return out
+
+    def advance(self, num_emitted: list[int]) -> None:
+        """After a keyed verification: each row's position moves past the tokens it emitted."""
+        assert self._keyed is not None
+        for kd, n in zip(self._keyed, num_emitted):
+            kd.emitted, kd.drawn = kd.emitted + n, 0
+            kd.cache.clear()
+
+    def _keyed_draw(self, probs: Tensor) -> Tensor:
+        """Draft tokens [B] or [B, m] from probs [B, V] (the next position drafted this step) or
+        [B, m, V] (m positions at once): the race on each position's keyed noise."""
+        assert self._keyed is not None
+        block = probs.dim() == 3
+        p = probs if block else probs.unsqueeze(1)
+        start = self._keyed[0].drawn if self._keyed else 0
+        noise = torch.stack([self.keyed_noise(start + i, p.shape[-1]) for i in range(p.shape[1])], 1)
+        for kd in self._keyed:
+            kd.drawn += p.shape[1]
+        x = argmax(torch.where(p > 0, p.float() / noise, torch.full_like(noise, -1.0)))
+        return x if block else x[:, 0]
+
     def draft_uniform(self, *shape: int) -> Tensor:
         """Uniforms in [0, 1) for the drafter (a seeded row's from its own persistent drafter
         generator, which advances by the same count whatever the batch). [B, *shape] float64"""
@@ -242,7 +305,10 @@ class RowSampling:
 
 
     def sample(self, probs: Tensor) -> Tensor:
-        """Draw one token per row from the drafter generators. probs [B, V] → [B]"""
+        """Draw one token per row from the drafter generators (or, keyed, on the next drafted
+        position's noise). probs [B, V] → [B]"""
+        if self._keyed is not None:
+            return self._keyed_draw(probs)
         return sample_from(probs, self.draft_uniform())
 
     def draw(self, logits: Tensor, greedy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -252,4 +318,6 @@ class RowSampling:
         if greedy:
             return argmax(logits), None
         q = self.probs(logits)
+        if self._keyed is not None and q.dim() <= 3:
+            return self._keyed_draw(q), q
         return sample_from(q, self.draft_uniform(*q.shape[1:-1])), q

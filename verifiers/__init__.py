@@ -4,6 +4,7 @@
 |---|---|---|
 | ``greedy`` | yes (temperature 0 only) | exact argmax match, chains and trees |
 | ``rejection`` | yes | rejection sampling (Leviathan et al. 2023, Chen et al. 2023); on trees, recursive rejection sampling over siblings |
+| ``coupled`` | yes | position-keyed noise shared by drafter and target (Gumbel-max): a seeded request emits exactly plain seeded sampling's tokens, whatever the drafter, k, policy or batch |
 | ``typical`` | **no** | Medusa's typical acceptance; for comparison only |
 """
 
@@ -16,6 +17,7 @@ if __name__ != "specdec.verifiers":  # the bare name `verifiers` belongs to anot
     )
 
 from specdec.verifier import Verifier
+from specdec.verifiers.coupled import CoupledVerifier
 from specdec.verifiers.greedy import GreedyVerifier
 from specdec.verifiers.rejection import RejectionVerifier
 from specdec.verifiers.typical import TypicalVerifier
@@ -24,6 +26,7 @@ VERIFIERS: dict[str, type[Verifier]] = {
     "greedy": GreedyVerifier,
     "rejection": RejectionVerifier,
     "typical": TypicalVerifier,
+    "coupled": CoupledVerifier,
 }
 
-__all__ = ["VERIFIERS", "Verifier", "GreedyVerifier", "RejectionVerifier", "TypicalVerifier"]
+__all__ = ["VERIFIERS", "Verifier", "GreedyVerifier", "RejectionVerifier", "TypicalVerifier", "CoupledVerifier"]
