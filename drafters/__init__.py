@@ -9,6 +9,7 @@
 | ``mtp`` | post-norm final hidden state | DeepSeek-V3 MTP/NextN modules, reused past their depth; chain (exact q) or top-k tree |
 | ``eagle3`` | inputs of 3 target layers (embedding shared) | EAGLE-3 head, reduced vocabulary; chain (exact q), static tree (sampled without replacement) or EAGLE-2 dynamic tree |
 | ``dflash`` | m layer outputs (context K/V), embeddings, LM head | one non-causal block pass: ``k`` drafts, independent given the block (exact q) |
+| ``dflash2`` | as ``dflash`` | the block pass with grouped dynamic convolutions, then a walk through the top-K candidates per slot scored by a low-rank bilinear selector (exact q over the candidates) |
 | ``dspark`` | as ``dflash`` | one block pass (the anchor predicts too) + Markov-corrected left-to-right sampling (exact q); confidences for the prefix scheduler |
 """
 
@@ -22,6 +23,7 @@ if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to anothe
 
 from specdec.drafter import Drafter
 from specdec.drafters.dflash.drafter import DFlashDrafter
+from specdec.drafters.dflash2.drafter import DFlash2Drafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle3.drafter import Eagle3Drafter
 from specdec.drafters.dspark.drafter import DSparkDrafter
@@ -38,8 +40,9 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "mtp": MTPDrafter,
     "eagle3": Eagle3Drafter,
     "dflash": DFlashDrafter,
+    "dflash2": DFlash2Drafter,
     "dspark": DSparkDrafter,
 }
 
 __all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter", "Eagle3Drafter", "DFlashDrafter",
-           "DSparkDrafter", "SuffixDrafter"]
+           "DFlash2Drafter", "DSparkDrafter", "SuffixDrafter"]

@@ -7,6 +7,9 @@ All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k
 - **z-lab** (``architectures: ["DFlashDraftModel"]``): the draft's transformer fields at top level,
   ``block_size``, ``num_target_layers`` and ``dflash_config: {mask_token_id, target_layer_ids}``
   (older files put the last two at top level). Written by :func:`save_block_draft` for DFlash.
+- **z-lab DFlash 2** (``architectures: ["DFlash2DraftModel"]``): the z-lab layout with DFlash 2's
+  fields in ``dflash_config`` and its weights beside the backbone's; read and written by the
+  family :mod:`specdec.drafters.dflash2.model` registers. A file without them is plain DFlash.
 - **speculators** (``speculators_model_type: "dflash" | "dspark"``): the transformer fields under
   ``transformer_layer_config``, ids in ``aux_hidden_state_layer_ids``, ``mask_token_id``,
   ``block_size``, and ``sample_from_anchor`` (the anchor drafts too, as DSpark). Its ids index
@@ -68,6 +71,8 @@ class BlockFamily:
     write: Callable[[Any, dict[str, Any]], dict[str, Any]]
     # config → the family's own fields of a speculators config.json (its architectures, its heads)
     speculators: Callable[[Any], dict[str, Any]] = lambda cfg: {"architectures": ["DFlashSpeculator"]}
+    # fields of _NEUTRAL the family implements (its read takes them), so they are not refused
+    implements: frozenset[str] = frozenset()
 
 
 def _zlab_config(cfg: BlockDraftConfig, arch: dict[str, Any]) -> dict[str, Any]:
@@ -91,10 +96,11 @@ _NEUTRAL = {"input_embedding_scale": (None, 1, 1.0), "output_multiplier": (None,
             "use_swa": (None, False), "attention_sink_bias": (None, False)}
 
 
-def _check_unsupported(c: dict[str, Any], where: str) -> None:
-    """Refuse fields whose non-neutral value would change what the draft computes."""
+def _check_unsupported(c: dict[str, Any], where: str, implemented: frozenset[str] = frozenset()) -> None:
+    """Refuse fields whose non-neutral value would change what the draft computes (unless the
+    family ``implemented`` them)."""
     for key, neutral in _NEUTRAL.items():
-        if c.get(key) not in neutral:
+        if key not in implemented and c.get(key) not in neutral:
             raise ValueError(f"{where}{key} = {c[key]!r} is not supported (only {neutral[-1]!r}): this draft"
                              " network does not implement it")
     if any(t != "full_attention" for t in c.get("layer_types") or []):
@@ -131,7 +137,9 @@ def detect_layout(c: dict[str, Any]) -> str:
 
 
 def checkpoint_family(c: dict[str, Any]) -> tuple[str, str]:
-    """The family a ``config.json`` holds (``"dflash"`` or ``"dspark"``) and the field that shows it."""
+    """The family a ``config.json`` holds (``"dflash"``, ``"dflash2"`` or ``"dspark"``) and the field
+    that shows it. A z-lab file is DFlash 2 when its architectures say so (``DFlash2DraftModel``,
+    as vLLM dispatches) or, naming none, when ``dflash_config`` carries a ``selector_rank``."""
     layout = detect_layout(c)
     if layout == "speculators":
         if c["speculators_model_type"] == "dspark":
@@ -140,11 +148,16 @@ def checkpoint_family(c: dict[str, Any]) -> tuple[str, str]:
         return ("dspark" if anchored else "dflash"), f"sample_from_anchor: {str(anchored).lower()}"
     if layout == "deepspec":
         return "dspark", (f"architectures: {c['architectures']}" if c.get("architectures") else "markov_rank")
-    return "dflash", (f"architectures: {c['architectures']}" if c.get("architectures") else "dflash_config")
+    archs = c.get("architectures") or []
+    if any("DFlash2" in a for a in archs):
+        return "dflash2", f"architectures: {archs}"
+    if not archs and "selector_rank" in (c.get("dflash_config") or {}):
+        return "dflash2", "dflash_config.selector_rank"
+    return "dflash", (f"architectures: {archs}" if archs else "dflash_config")
 
 
-def _backbone(c: dict[str, Any], layout: str) -> dict[str, Any]:
-    """The backbone's fields in a ``config.json``."""
+def _backbone(c: dict[str, Any], layout: str, implemented: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The backbone's fields in a ``config.json`` (``implemented``: the family's own of :data:`_NEUTRAL`)."""
     if layout == "speculators":
         t = c["transformer_layer_config"]
         _check_unsupported(t, "transformer_layer_config.")
@@ -163,8 +176,8 @@ def _backbone(c: dict[str, Any], layout: str) -> dict[str, Any]:
                     target_layer_ids=list(c["target_layer_ids"]), mask_token_id=int(c["mask_token_id"]),
                     block_size=int(c["block_size"]))
     dc = c.get("dflash_config") or {}
-    _check_unsupported(c, "")
-    _check_unsupported(dc, "dflash_config.")
+    _check_unsupported(c, "", implemented)
+    _check_unsupported(dc, "dflash_config.", implemented)
     blocks = {int(b) for b in (c.get("block_size"), dc.get("block_size")) if b is not None}
     if len(blocks) > 1:
         raise ValueError(f"block_size {c['block_size']} and dflash_config.block_size {dc['block_size']} disagree")
@@ -175,12 +188,11 @@ def _backbone(c: dict[str, Any], layout: str) -> dict[str, Any]:
 
 
 def _read(c: dict[str, Any]) -> tuple[BlockFamily, BlockDraftConfig]:
-    layout = detect_layout(c)
-    name, backbone = checkpoint_family(c)[0], _backbone(c, layout)
+    layout, name = detect_layout(c), checkpoint_family(c)[0]
     if name not in _FAMILIES:
         raise ValueError(f"a {name} checkpoint, but no {name} drafter registered its layouts")
     family = _FAMILIES[name]
-    return family, family.read(c, layout, backbone)
+    return family, family.read(c, layout, _backbone(c, layout, family.implements))
 
 
 def config_from_dict(c: dict[str, Any]) -> BlockDraftConfig:
