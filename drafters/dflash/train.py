@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from specdec.draft_vocab import vocab_positions
 from specdec.drafters.dflash.checkpoint import load_block_draft, save_block_draft
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
+from specdec.data.store import StoreNeeds
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows
@@ -209,6 +210,9 @@ class BlockRecipe(Recipe):
 
     def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
         return target_features(target, tokens, layer_output_ids(self.layer_ids(target)))
+
+    def store_needs(self, target: Target) -> StoreNeeds:
+        return StoreNeeds(layers=tuple(sorted(layer_output_ids(self.layer_ids(target)))))
 
     def extra_config(self) -> dict[str, Any]:
         """Config fields beyond the DFlash backbone's."""

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from specdec.drafters.eagle3.checkpoint import load_eagle3, save_eagle3
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids, draft_layer_config, vocab_map
 from specdec.draft_vocab import token_counts
+from specdec.data.store import StoreNeeds
 from specdec.target import Target
 from specdec.training.data import Batch, FeatureSeq, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
@@ -150,6 +151,9 @@ class Eagle3Recipe(Recipe):
 
     def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
         return target_features(target, tokens, self.layer_ids(target))
+
+    def store_needs(self, target: Target) -> StoreNeeds:
+        return StoreNeeds(layers=tuple(sorted(self.layer_ids(target))))
 
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "eagle3 trains for a target"

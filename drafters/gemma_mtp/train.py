@@ -2,7 +2,7 @@
 
 For every training sequence the frozen target gives, once (cached with the data), its post-norm
 hidden state, its greedy next token, and the K/V of the cache layer each assistant layer reads
-(:func:`target_kv`).
+(:func:`specdec.data.store.target_kv`).
 
 Objective (what greedy verification accepts): an anchor token at position ``p`` (in the response)
 with the target's hidden state at ``p-1`` predicts the target's argmax after ``p``; then
@@ -26,22 +26,12 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layers
+from specdec.data.store import StoreNeeds, target_kv
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights
 
 __all__ = ["target_kv", "response_anchors", "unrolled_loss", "GemmaMTPOptions", "GemmaMTPRecipe"]
-
-
-def target_kv(target: Target, tokens: Tensor, sources: dict[str, int]) -> dict[str, tuple[Tensor, Tensor]]:
-    """The keys and values the target caches for ``tokens`` [B, T] (right padding is harmless: a
-    causal model's real positions do not see it), at the cache layer of each attention type:
-    {type: (K, V)}, each [B, T, H_kv, d]."""
-    session = target.new_session(tokens.shape[0])
-    with torch.no_grad():
-        target.prefill(session, tokens.tolist())
-    kv = {t: session.cache.layer(i) for t, i in sources.items()}  # [B, H, T, d] views of the store
-    return {t: (k.transpose(1, 2), v.transpose(1, 2)) for t, (k, v) in kv.items()}
 
 
 def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -112,6 +102,9 @@ class GemmaMTPRecipe(Recipe):
         for t, (k, v) in target_kv(target, tokens, kv_source_layers(target)).items():
             out[f"k.{t}"], out[f"v.{t}"] = k, v
         return out
+
+    def store_needs(self, target: Target) -> StoreNeeds:
+        return StoreNeeds(kv=tuple(sorted(set(kv_source_layers(target).values()))))
 
     def build(self, target: Target | None, data: TrainData) -> nn.Module:
         assert target is not None, "gemma_mtp trains for a target"

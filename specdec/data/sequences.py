@@ -33,6 +33,7 @@ class TokenSeq:
     tokens: Tensor  # [T] int64: chat-formatted prompt, then the target's response (or plain text)
     response_start: int  # index of the first response token (0 for plain text)
     features: dict[str, Tensor] = field(default_factory=dict)  # cached target features {name: [T, ...]}
+    store_index: int | None = None  # its row in a feature store (specdec.data.store), if it came from one
 
 
 # --- stored and distilled sequences --------------------------------------------------------------------------

@@ -38,6 +38,11 @@ class DataConfig:
     held_out_every: int = 20  # the held-out rule: an item whose name hashes to 0 mod this is never trained on
     cache_features: bool = True  # target features computed once and stored (else per batch, on the fly)
     feature_dtype: str = "float32"  # the target runs (and features are kept) in this dtype after the data is made
+    store: str | None = None  # a feature store folder (specdec.data.store): sequences and features read from it, the
+    #                           target never runs (source, path, max_prompt, cache_features are the store's, unused)
+    store_sources: list[str] | None = None  # with a store: only its sequences from these sources (None: all)
+    skip: int = 0  # with a store: leave out its first N sequences (of those sources), then take `use`: a training
+    #                in parts (init=) reads new data in every part
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -50,6 +55,8 @@ class DataConfig:
             raise ValueError("data.source=corpus needs data.path, the corpus folder (e.g. experiments/data/smollm2-135m)")
         if self.max_prompt is not None and self.max_prompt < 1:
             raise ValueError(f"data.max_prompt must be >= 1 or null, got {self.max_prompt}")
+        if self.skip < 0 or (self.skip and not self.store):
+            raise ValueError(f"data.skip={self.skip}: a count of a feature store's sequences (needs data.store)")
         if self.window < 2:
             raise ValueError(f"data.window must be >= 2, got {self.window}")
 

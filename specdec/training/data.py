@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from specdec.data.sequences import (TokenSeq, cut_prompt, held_out_seq, load_ragged, load_sequences, model_key,
                                     save_ragged, self_distill)
+from specdec.data.store import FeatureStore, StoredRow, StoreNeeds
 from specdec.models import cache_dir
 from specdec.target import Target
 from specdec.training.config import DataConfig
@@ -111,10 +112,11 @@ class TrainData:
     """Training and held-out sequences, drawn into batches."""
 
     def __init__(self, train: list[TokenSeq], held: list[TokenSeq], featurize: Featurize | None = None,
-                 tokenizer=None):
+                 tokenizer=None, row_features: Callable[[TokenSeq], dict[str, Tensor]] | None = None):
         if not train:
             raise ValueError("no training sequences")
         self.train, self.held, self.featurize, self.tokenizer = train, held, featurize, tokenizer
+        self.row_features = row_features  # a sequence's features, read when its batch is made (a feature store)
         self._perm: tuple[tuple[int, int] | None, list[int]] = (None, [])
 
     def indices(self, start: int, count: int, seed: int) -> list[int]:
@@ -130,6 +132,8 @@ class TrainData:
         return self._perm[1]
 
     def batch(self, seqs: list[TokenSeq]) -> Batch:
+        if self.row_features is not None:
+            seqs = [TokenSeq(s.tokens, s.response_start, self.row_features(s), s.store_index) for s in seqs]
         return make_batch(seqs, self.featurize)
 
     def scan(self, split: str = "train", batch: int = 8, limit: int | None = None) -> Iterator[Batch]:
@@ -183,14 +187,22 @@ def _sequences(cfg: DataConfig, target: Target | None, progress: bool) -> tuple[
 
 
 def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | None = None,
-              feature_key: str | None = None, progress: bool = False) -> TrainData:
+              feature_key: str | None = None, progress: bool = False,
+              store_featurize: Callable[[object, Tensor], dict[str, Tensor]] | None = None,
+              needs: StoreNeeds | None = None) -> TrainData:
     """Training and held-out sequences for a recipe, with its features.
 
     ``featurize`` computes the recipe's target features (None: it reads none). With
     ``cfg.cache_features`` they are computed once per sequence (no padding) and stored under
     ``cache_dir()/features/``, keyed by the target's weights, the data settings and ``feature_key``
-    (what ``featurize`` computes); otherwise each batch computes its own.
+    (what ``featurize`` computes); otherwise each batch computes its own. With ``cfg.store`` the
+    sequences and features come from a feature store instead: ``store_featurize`` (the recipe's
+    ``featurize``) reads each sequence's rows through a :class:`~specdec.data.store.StoredRow`
+    when its batch is made, after the store is checked against the target and ``needs``.
     """
+    if cfg.store:
+        assert target is not None, "a feature store is read for a target"
+        return _store_data(cfg, target, store_featurize, needs)
     train, held, tokenizer = _sequences(cfg, target, progress)
     dtype = getattr(torch, cfg.feature_dtype)
     if target is not None and target.dtype != dtype:
@@ -216,3 +228,35 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
                             **{k: [s.features[k] for s in every] for k in every[0].features}},
                      [s.response_start for s in every])
     return TrainData(train, held, None, tokenizer)
+
+
+def _store_data(cfg: DataConfig, target: Target, featurize: Callable[[object, Tensor], dict[str, Tensor]] | None,
+                needs: StoreNeeds | None) -> TrainData:
+    """The store's sequences (its own held-out marks, checked to be the run's rule), each batch's
+    features read from its rows: the target never runs."""
+    store = FeatureStore(cfg.store)  # type: ignore[arg-type]
+    store.check(target, needs, cfg.held_out_every)
+    known = {s["name"] for s in store.manifest["sources"]}
+    if cfg.store_sources is not None and not set(cfg.store_sources) <= known:
+        raise ValueError(f"data.store_sources {cfg.store_sources}: {cfg.store} holds sources {sorted(known)}")
+    idx = [i for i in range(len(store.sequences)) if cfg.store_sources is None or store.source[i] in cfg.store_sources]
+    chosen = set(idx[cfg.skip:][: cfg.use])  # training reads these; held-out figures every held-out sequence
+    idx = [i for i in idx if i in chosen or store.held[i]]
+    seqs = {i: TokenSeq(store.sequences[i].tokens[: cfg.max_len], store.sequences[i].response_start, store_index=i)
+            for i in idx}
+    dtype = getattr(torch, cfg.feature_dtype)
+    if target.dtype != dtype:
+        target.model.to(dtype)
+
+    def row_features(s: TokenSeq) -> dict[str, Tensor]:
+        if featurize is None:
+            return {}
+        row = StoredRow(target, store, s.store_index)  # type: ignore[arg-type]
+        full = store.sequences[s.store_index].tokens  # type: ignore[index]
+        out = featurize(row, full.unsqueeze(0))
+        n = s.tokens.numel()
+        return {k: (v[0, :n].to("cpu", dtype) if v.is_floating_point() else v[0, :n].cpu()) for k, v in out.items()}
+
+    train = [seqs[i] for i in idx if i in chosen and not store.held[i]]
+    return TrainData(train, [seqs[i] for i in idx if store.held[i]], None, target.tokenizer,
+                     row_features if featurize is not None else None)

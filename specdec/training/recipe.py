@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from specdec.data.store import StoreNeeds
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData
 
@@ -44,9 +45,16 @@ class Recipe(ABC):
         return None
 
     def featurize(self, target: Target, tokens: Tensor) -> dict[str, Tensor]:
-        """The target features one batch of sequences needs, through the target's seam:
-        tokens [B, T] → {name: [B, T, ...]}. Computed once and cached, or per batch."""
+        """The target features one batch of sequences needs, through the target's seam
+        (:func:`~specdec.training.data.target_features`, :func:`~specdec.data.store.target_kv`):
+        tokens [B, T] → {name: [B, T, ...]}. Computed once and cached, or per batch; with a feature
+        store ``target`` is a :class:`~specdec.data.store.StoredRow` that reads them from disk."""
         return {}
+
+    def store_needs(self, target: Target) -> StoreNeeds:
+        """The hidden states (layer-input ids) and K/V layers :meth:`featurize` reads: what a feature
+        store must hold for this recipe (the final hidden state is always stored)."""
+        return StoreNeeds()
 
     @abstractmethod
     def build(self, target: Target | None, data: TrainData) -> nn.Module:

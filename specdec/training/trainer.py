@@ -284,7 +284,8 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
     featurize = (lambda tokens: recipe.featurize(target, tokens)) if key is not None else None
     show = (sys.stdout.isatty() if cfg.progress is None else cfg.progress) and acc.is_main_process
     with acc.main_process_first():  # the main process makes the caches (distilled data, features) the others read
-        data = load_data(cfg.data, target, featurize, key, show)
+        data = load_data(cfg.data, target, featurize, key, show, store_featurize=recipe.featurize if key else None,
+                         needs=recipe.store_needs(target) if target is not None else None)
 
     torch.manual_seed(cfg.seed)
     model = recipe.build(target, data)

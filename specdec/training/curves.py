@@ -1,0 +1,230 @@
+"""Learning curves from a feature store: every family at equal tokens and equal steps, each point decoded.
+
+    python -m specdec.training.curves run --store <store> --runs outputs/curves_store     # resumable
+    python -m specdec.training.curves report --runs outputs/curves_store --out docs/results/learning_curves
+
+``run`` cuts the store's sequences (in store order) into consecutive parts that end at the token
+counts of ``--points`` (tokens seen: every token of every training sequence); part ``i`` trains
+each family on its own new sequences, once each, from the checkpoint part ``i-1`` wrote (``init=``:
+weights carry over, each part has its own warm-up and cosine schedule). Every family runs the same
+command shape (``experiments/train.py --config-name smollm2_<family>``, ``data.store``, ``data.skip``,
+``data.use``, the same batch and steps), so at each point every family has seen the same tokens in
+the same order. A part waits for the store to hold its sequences (the store may still be filling)
+and is resumed from its state after an interruption; a finished part is skipped.
+
+After each part the checkpoint is decoded on held-out prompts (greedy, a chain of ``--k`` drafts,
+through the library's loop): the first turns of held-out MT-bench questions and held-out HumanEval
+problems (:data:`specdec.data.datasets.HELD_OUT`), acceptance at each draft position and the mean
+accepted length, into ``decoded.json`` beside the checkpoint. Nothing here reads a clock for a
+figure: acceptance is exact on a busy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FAMILIES", "parts", "part_command", "decode", "collect", "main"]
+
+FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
+# per family: the label is the target's own distribution where the recipe offers it (forward KL); the
+# draft vocabularies keep checkpoints small
+OPTIONS: dict[str, list[str]] = {
+    "eagle3": ["options.draft_vocab=4096"],
+    "dflash": ["options.loss=kl"],
+    "dspark": [],
+    "gemma_mtp": [],
+    "mtp": ["options.loss=kl", "options.token_map=experiments/data/smollm2-135m/token_map.safetensors",
+            "options.draft_vocab=8192"],
+}
+DRAFTER_OPTIONS: dict[str, dict[str, Any]] = {"eagle3": {"tree": "chain"}, "mtp": {"chain_hidden": "normed"},
+                                              "dspark": {"scheduler": False}}
+
+
+def _store_lengths(store: Path) -> tuple[list[int], list[bool]]:
+    """Tokens and held-out mark of every sequence of the store's finished shards, in store order."""
+    from specdec.data.store import FeatureStore
+
+    s = FeatureStore(store)
+    return [int(q.tokens.numel()) for q in s.sequences], list(s.held)
+
+
+def parts(lengths: list[int], held: list[bool], points: list[int]) -> list[tuple[int, int, int]]:
+    """(skip, use, training tokens) of each part: consecutive store ranges whose training (not held-out)
+    tokens add up to each point. A point the store cannot reach yet ends the list."""
+    out, lo, seen = [], 0, 0
+    for p in points:
+        hi, tokens = lo, 0
+        while hi < len(lengths) and seen + tokens < p:
+            if not held[hi]:
+                tokens += lengths[hi]
+            hi += 1
+        if seen + tokens < p:
+            break
+        out.append((lo, hi - lo, tokens))
+        lo, seen = hi, seen + tokens
+    return out
+
+
+def part_command(family: str, store: str, runs: str, i: int, skip: int, use: int, steps: int, batch: int,
+                 eval_sequences: int, threads: int) -> list[str]:
+    """The one training command of part ``i`` of ``family`` (from the repository root)."""
+    cmd = [sys.executable, "experiments/train.py", "--config-name", f"smollm2_{family}", f"data.store={store}",
+           f"data.skip={skip}", f"data.use={use}", "data.held_out_every=20", "data.feature_dtype=float32",
+           "optim.bf16=false", f"optim.batch={batch}", f"optim.steps={steps}", "optim.warmup=0.05",
+           f"eval_sequences={eval_sequences}", "save_every=5", f"threads={threads}", "progress=false",
+           *OPTIONS[family], f"out={runs}/{family}/p{i}", f"work={runs}/{family}/p{i}-work"]
+    if i > 0:
+        cmd.append(f"init={runs}/{family}/p{i - 1}")
+    return cmd
+
+
+def held_out_prompts(target, n: int) -> dict[str, list[list[int]]]:
+    """The first ``n`` held-out MT-bench first turns and HumanEval problems, chat-encoded."""
+    from specdec.api import encode_messages
+    from specdec.data.config import DatasetConfig
+    from specdec.data.datasets import HELD_OUT, load_dataset
+
+    out = {}
+    for name in ("mtbench", "humaneval"):
+        if n > HELD_OUT[name]:
+            raise ValueError(f"only {HELD_OUT[name]} {name} items are held out, {n} asked for")
+        samples = load_dataset(DatasetConfig(name=name, num_prompts=n, turns=1))
+        out[name] = [encode_messages(target, [{"role": "user", "content": s.turns[0]}], chat=True) for s in samples]
+    return out
+
+
+def decode(target, family: str, checkpoint: str | Path, prompts: dict[str, list[list[int]]], k: int,
+           max_new_tokens: int) -> dict[str, Any]:
+    """Greedy chain decoding of each prompt set with the checkpoint: acceptance per position, mean
+    accepted length, and whether every output equals plain greedy decoding's."""
+    import specdec
+    from specdec.api import make_drafter
+
+    drafter = make_drafter(family, target, checkpoint=str(checkpoint), **DRAFTER_OPTIONS.get(family, {}))
+    out: dict[str, Any] = {"k": k, "max_new_tokens": max_new_tokens}
+    for name, ps in prompts.items():
+        res = specdec.generate(target, ps, drafter, k=k, verifier="greedy", max_new_tokens=max_new_tokens,
+                               progress=False)
+        s = res.summary
+        out[name] = {"prompts": len(ps), "new_tokens": s.new_tokens, "mean_accepted_length": s.mean_accepted_length,
+                     "acceptance_at": s.acceptance_at}
+    return out
+
+
+def run(a: argparse.Namespace) -> None:
+    import torch
+
+    from specdec.api import load_target
+
+    runs = Path(a.runs)
+    target = prompts = None
+    for i, p in enumerate(a.points):
+        while True:
+            plan = parts(*_store_lengths(Path(a.store)), a.points)
+            if len(plan) > i:
+                break
+            print(f"point {p:,}: waiting for the store to hold it", flush=True)
+            time.sleep(a.poll)
+        skip, use, tokens = plan[i]
+        n_train = sum(1 for j in range(skip, skip + use) if not _store_lengths(Path(a.store))[1][j])
+        steps = max(1, -(-n_train // a.batch))
+        for family in a.families:
+            out = runs / family / f"p{i}"
+            if not (out / "training.json").is_file():
+                cmd = part_command(family, a.store, a.runs, i, skip, use, steps, a.batch, a.eval_sequences, a.threads)
+                if (runs / family / f"p{i}-work" / "state.safetensors").is_file():
+                    cmd.append("resume=true")
+                print("$", shlex.join(cmd), flush=True)
+                subprocess.run(cmd, check=True)
+            if not (out / "decoded.json").is_file():
+                if target is None:
+                    torch.set_num_threads(a.threads)
+                    target = load_target("smollm2-135m")
+                    prompts = held_out_prompts(target, a.prompts)
+                found = decode(target, family, out, prompts, a.k, a.max_new_tokens)  # type: ignore[arg-type]
+                found.update(point=p, part=i, part_tokens=tokens, steps=steps)
+                (out / "decoded.json").write_text(json.dumps(found, indent=1))
+                print(family, f"p{i}", json.dumps({n: found[n]["mean_accepted_length"] for n in prompts}), flush=True)
+
+
+def collect(runs: Path, families: tuple[str, ...] = FAMILIES) -> dict[str, list[dict[str, Any]]]:
+    """Per family, its points in order: tokens seen, steps, wall seconds, the recipe's held-out
+    estimate, the decoded figures and the part's command."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for f in families:
+        seen, steps, wall = 0, 0, 0.0
+        for part in sorted((runs / f).glob("p*/training.json"), key=lambda q: int(q.parent.name[1:])):
+            rec = json.loads(part.read_text())
+            seen, steps, wall = seen + rec["tokens"], steps + rec["steps"], wall + rec["wall_seconds"]
+            dec = part.parent / "decoded.json"
+            out.setdefault(f, []).append({"tokens": seen, "steps": steps, "wall_seconds": round(wall, 1),
+                                          "held_out": rec["held_out"], "command": rec["command"],
+                                          "decoded": json.loads(dec.read_text()) if dec.is_file() else None})
+    return out
+
+
+def report(a: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = collect(Path(a.runs), tuple(a.families))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, name in zip(axes, ("mtbench", "humaneval")):
+        for f, pts in data.items():
+            xs = [p["tokens"] for p in pts if p["decoded"]]
+            ys = [p["decoded"][name]["mean_accepted_length"] for p in pts if p["decoded"]]
+            ax.plot(xs, ys, marker="o", label=f)
+        ax.set(xscale="log", xlabel="training tokens seen", ylabel="mean accepted length (greedy, chain k=4)",
+               title=f"held-out {'MT-bench' if name == 'mtbench' else 'HumanEval'}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=72)
+    rows = ["| drafter | tokens seen | steps | wall s | MT-bench MAL | MT-bench acceptance 1..k | HumanEval MAL | "
+            "HumanEval acceptance 1..k |", "|---|---:|---:|---:|---:|---|---:|---|"]
+    for f, pts in data.items():
+        for p in pts:
+            d = p["decoded"]
+            if d is None:
+                continue
+            cells = [f"{d[n]['mean_accepted_length']:.2f} | {' '.join(f'{x:.2f}' for x in d[n]['acceptance_at'])}"
+                     for n in ("mtbench", "humaneval")]
+            rows.append(f"| {f} | {p['tokens']:,} | {p['steps']} | {p['wall_seconds']:.0f} | {cells[0]} | {cells[1]} |")
+    text = "\n".join(rows) + "\n"
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m specdec.training.curves", description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=("run", "report"))
+    ap.add_argument("--store", default="outputs/store/smollm2-135m")
+    ap.add_argument("--runs", default="outputs/curves_store")
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--points", type=int, nargs="+", default=[30_000, 100_000, 300_000, 1_000_000, 3_000_000])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--eval-sequences", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=8, help="held-out MT-bench and HumanEval prompts decoded per point")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--poll", type=float, default=60.0, help="seconds between looks at a filling store")
+    ap.add_argument("--out", default="docs/results/learning_curves")
+    a = ap.parse_args(argv)
+    run(a) if a.action == "run" else report(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The target feature store (specdec.data.store): one target pass, read by every recipe.
+
+On a tiny random target: a store round-trips what the target computes; it resumes and refuses a
+folder made for another target or other layers; two processes fill the same store one process
+does; and every recipe trained from a store ends where the same recipe trained online (the target
+run inside the loop) on the same tokens ends, without the target running.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import debug_launcher
+from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
+
+from specdec.data.sequences import TokenSeq, held_out_seq, save_sequences
+from specdec.data.store import (FeatureStore, StoreItem, StoreMismatch, StoreNeeds, StoredRow, forward_with_kv,
+                                store_bytes_per_token, target_kv, throughput, weights_hash, write_store)
+from specdec.target import Target
+from specdec.testing.tiny import tiny_model
+from specdec.training.config import DataConfig, OptimConfig, TrainConfig
+from specdec.training.data import load_data
+from specdec.training.trainer import train
+
+V = 32
+EVERY = 4
+RECIPES = {
+    "eagle3": ("specdec.drafters.eagle3.train.Eagle3Recipe", dict(layer_ids=[0, 1, 2], draft_vocab=24, anchors=4)),
+    "dflash": ("specdec.drafters.dflash.train.DFlashRecipe", dict(layers=1, intermediate=32, features=2, block=4,
+                                                                  anchors=4, loss="kl")),
+    "dspark": ("specdec.drafters.dspark.train.DSparkRecipe", dict(layers=1, intermediate=32, features=2, block=4,
+                                                                  anchors=4, markov_rank=4)),
+    "gemma_mtp": ("specdec.drafters.gemma_mtp.train.GemmaMTPRecipe", dict(hidden=16, intermediate=32, anchors=4)),
+    "mtp": ("specdec.drafters.mtp.train.PostHocMTPRecipe", dict(depth=2, loss="kl")),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_target() -> Target:
+    return Target(tiny_model("llama", vocab_size=V, init_scale=0.3, seed=0))
+
+
+def sequences(n: int = 24, seed: int = 0) -> list[TokenSeq]:
+    g = torch.Generator().manual_seed(seed)
+    return [TokenSeq(torch.randint(0, V - 1, (int(t),), generator=g), 5) for t in torch.randint(12, 24, (n,), generator=g)]
+
+
+def items(seqs: list[TokenSeq]) -> list[StoreItem]:
+    return [StoreItem(s, 0, held_out_seq(s, EVERY)) for s in seqs]
+
+
+def needs_of_all(target: Target) -> StoreNeeds:
+    return recipe_needs_with_options(target, RECIPES.values())
+
+
+def recipe_needs_with_options(target: Target, recipes) -> StoreNeeds:
+    from specdec.training.recipe import load_recipe
+
+    needs = StoreNeeds()
+    for path, options in recipes:
+        needs = needs.union(load_recipe(path, options).store_needs(target))
+    return needs
+
+
+def make_store(target: Target, folder: Path, seqs: list[TokenSeq], needs: StoreNeeds, dtype=torch.float32, **kw):
+    return write_store(target, "tiny", items(seqs), folder, needs, [{"name": "random"}], EVERY, shard_sequences=5,
+                       batch_tokens=64, dtype=dtype, **kw)
+
+
+def test_a_store_round_trips_what_the_target_computes(tiny_target, tmp_path):
+    seqs = sequences()
+    needs = needs_of_all(tiny_target)
+    assert needs.layers and needs.kv  # eagle3's and dflash's layers, the assistant's K/V layer
+    store = make_store(tiny_target, tmp_path / "s", seqs, needs, dtype=torch.bfloat16)
+    man = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert man["tokens"] == sum(s.tokens.numel() for s in seqs) == store.num_tokens
+    assert man["target"]["hash"] == weights_hash(tiny_target) and man["layers"] == list(needs.layers)
+    assert man["held_out"]["every"] == EVERY and man["sequences"] == len(seqs) and len(man["shards"]) == 5
+    assert [s.tokens.tolist() for s in store.sequences] == [s.tokens.tolist() for s in seqs]
+    assert store.held == [held_out_seq(s, EVERY) for s in seqs] and any(store.held) and not all(store.held)
+    for i in (0, 7, 23):
+        tokens = seqs[i].tokens.unsqueeze(0)
+        hidden, final, kv = forward_with_kv(tiny_target, tokens, needs.layers, needs.kv)
+        online_hidden, online_final = tiny_target.features(tokens, needs.layers)
+        torch.testing.assert_close(final, online_final)  # the store's pass is the target's own forward
+        row = StoredRow(tiny_target, store, i)
+        got_hidden, got_final = row.features(tokens, needs.layers)
+        assert got_final.dtype == torch.bfloat16
+        torch.testing.assert_close(got_final.float(), final, rtol=1e-2, atol=1e-2)
+        for j in needs.layers:
+            torch.testing.assert_close(got_hidden[j].float(), online_hidden[j], rtol=1e-2, atol=1e-2)
+        sources = {"full_attention": needs.kv[0]}
+        (k, v), = target_kv(row, tokens, sources).values()
+        torch.testing.assert_close(k.float(), kv[needs.kv[0]][0], rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(v.float(), kv[needs.kv[0]][1], rtol=1e-2, atol=1e-2)
+    assert store_bytes_per_token(tiny_target, needs) > 0
+    with pytest.raises(RuntimeError, match="does not run"):
+        StoredRow(tiny_target, store, 0).decoder
+    with pytest.raises(ValueError, match="its own sequence"):
+        StoredRow(tiny_target, store, 0).features(seqs[1].tokens.unsqueeze(0), needs.layers)
+
+
+def test_the_assistants_kv_from_one_forward_is_the_targets_cache(tiny_target):
+    """K/V from the store's single forward equal what the target's own prefill caches."""
+    tokens = sequences(2)[0].tokens.unsqueeze(0)
+    layer = tiny_target.num_layers - 1
+    _, _, kv = forward_with_kv(tiny_target, tokens, (), (layer,))
+    session = tiny_target.new_session(1)
+    with torch.no_grad():
+        tiny_target.prefill(session, tokens.tolist())
+    k, v = session.cache.layer(layer)
+    torch.testing.assert_close(kv[layer][0], k.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv[layer][1], v.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_store_resumes_and_refuses_another_target_or_other_layers(tiny_target, tmp_path):
+    seqs = sequences()
+    needs = StoreNeeds(layers=(1, 2), kv=())
+    make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=40)  # interrupted after a few shards
+    first = FeatureStore(tmp_path / "s")
+    assert 40 <= first.num_tokens < sum(s.tokens.numel() for s in seqs)
+    shard0 = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))
+    (tmp_path / "s" / "shard-00002.safetensors").unlink(missing_ok=True)
+    whole = make_store(tiny_target, tmp_path / "s", seqs, needs)  # resumed: the missing shards are made
+    assert whole.num_tokens == sum(s.tokens.numel() for s in seqs)
+    again = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))
+    assert all(torch.equal(shard0[k], again[k]) for k in shard0)
+    other = Target(tiny_model("llama", vocab_size=V, init_scale=0.3, seed=1))
+    with pytest.raises(StoreMismatch, match="another target"):
+        whole.check(other)
+    with pytest.raises(StoreMismatch, match="target"):
+        make_store(other, tmp_path / "s", seqs, needs)
+    with pytest.raises(StoreMismatch, match="layers"):
+        make_store(tiny_target, tmp_path / "s", seqs, StoreNeeds(layers=(0, 1)))
+    with pytest.raises(StoreMismatch, match=r"hidden states \[0\]"):
+        whole.check(tiny_target, StoreNeeds(layers=(0, 1)))
+    with pytest.raises(StoreMismatch, match="held_out_every"):
+        whole.check(tiny_target, needs, held_out_every=EVERY + 1)
+    # a run whose recipe reads layers the store lacks fails before training
+    cfg = TrainConfig(recipe=RECIPES["eagle3"][0], options=RECIPES["eagle3"][1], out=str(tmp_path / "o"),
+                      work=str(tmp_path / "w"), data=DataConfig(store=str(tmp_path / "s"), held_out_every=EVERY),
+                      optim=OptimConfig(steps=1, batch=2), progress=False)
+    with pytest.raises(StoreMismatch, match=r"\[0\]"):
+        train(cfg, target=tiny_target)
+
+
+def _write_in_process(target: Target, folder: Path, seqs: list[TokenSeq], needs: StoreNeeds) -> None:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    make_store(target, folder, seqs, needs)
+
+
+def test_two_processes_fill_the_store_one_process_does(tiny_target, tmp_path):
+    seqs = sequences()
+    needs = StoreNeeds(layers=(1,), kv=(1,))
+    one = make_store(tiny_target, tmp_path / "one", seqs, needs)
+    debug_launcher(_write_in_process, (tiny_target, tmp_path / "two", seqs, needs), num_processes=2)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    two = FeatureStore(tmp_path / "two")
+    assert two.manifest["shards"] == one.manifest["shards"] and two.num_tokens == one.num_tokens
+    for shard in one.manifest["shards"]:
+        a, b = (load_file(str(tmp_path / f / shard["file"])) for f in ("one", "two"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_trained_from_the_store_matches_one_trained_online(name, tiny_target, tmp_path, monkeypatch):
+    """Same tokens, same steps: the weights agree within float tolerance (the store here keeps fp32
+    rows; a bf16 store changes them by its rounding), and the store run never runs the target."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    seqs = sequences()
+    save_sequences(tmp_path / "data.safetensors", seqs)
+    recipe, options = RECIPES[name]
+    make_store(tiny_target, tmp_path / "store", seqs, recipe_needs_with_options(tiny_target, [(recipe, options)]))
+
+    def config(tag: str, data: DataConfig) -> TrainConfig:
+        return TrainConfig(recipe=recipe, options=options, out=str(tmp_path / tag), work=str(tmp_path / f"{tag}-w"),
+                           data=data, optim=OptimConfig(steps=3, batch=4, lr=3e-3), log_every=1, progress=False)
+
+    online = train(config("online", DataConfig(path=str(tmp_path / "data.safetensors"), held_out_every=EVERY)),
+                   target=tiny_target)  # the target runs in the trainer, once per sequence
+    calls = []
+    for method in ("features", "prefill", "forward"):
+        real = getattr(Target, method)
+        monkeypatch.setattr(Target, method, lambda self, *a, _real=real, _m=method, **k: calls.append(_m) or _real(self, *a, **k))
+    stored = train(config("stored", DataConfig(store=str(tmp_path / "store"), held_out_every=EVERY)), target=tiny_target)
+    assert calls == [], f"the target ran while training from the store: {calls}"
+    assert stored.record.tokens == online.record.tokens and stored.record.steps == 3
+    a, b = online.model.state_dict(), stored.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{name} {k}: {m}")
+    assert stored.record.held_out["loss"] == pytest.approx(online.record.held_out["loss"], rel=1e-4)
+
+
+def test_throughput_measures_both_compute_dtypes_interleaved(tiny_target):
+    rows = throughput(tiny_target, items(sequences(4)), StoreNeeds(layers=(1,), kv=(1,)), rounds=2)
+    assert [r["compute_dtype"] for r in rows] == ["float32", "bfloat16"] * 2
+    assert all(r["tokens"] > 0 and r["seconds"] > 0 and 0 < r["forward_share"] <= 1 for r in rows)
+    assert tiny_target.dtype == torch.float32  # put back
+
+
+def test_a_run_in_parts_reads_new_store_sequences_and_every_held_out_one(tiny_target, tmp_path):
+    seqs = sequences()
+    make_store(tiny_target, tmp_path / "s", seqs, StoreNeeds(layers=(1,)))
+    held = [i for i, s in enumerate(seqs) if held_out_seq(s, EVERY)]
+    data = load_data(DataConfig(store=str(tmp_path / "s"), held_out_every=EVERY, skip=6, use=10), tiny_target)
+    assert [s.store_index for s in data.train] == [i for i in range(6, 16) if i not in held]
+    assert [s.store_index for s in data.held] == held
+    with pytest.raises(ValueError, match="needs data.store"):
+        DataConfig(skip=3)
