@@ -93,11 +93,27 @@ TARGETS = ("llama", "gemma4")
 TARGET_CASES = [("llama", c) for c in sorted(CASES)] + [("gemma4", f"{name}[tiny]") for name in sorted(DRAFTERS)]
 
 
+# The conformance tests that take ``sampled_verifier`` run ``rejection`` on every case and each other
+# lossless verifier (SAMPLED_VERIFIERS) on these chains: a deterministic drafter (q None), learned
+# drafters with q (EAGLE-3, DSpark's block), adversarial random q and a draft equal to the target
+# (p = q: block verification's threshold denominators are 0). Block verification hands trees to
+# rejection sampling unchanged (tests/test_block_verifier.py), so no tree case is repeated for it.
+VERIFIER_CASES = ("ngram[tiny]", "eagle3[tiny]", "dspark[tiny]", "random[chain,iid]", "draft_model[self]")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "drafter_case" in metafunc.fixturenames:
         coupled = metafunc.function.__name__ == "test_rows_do_not_depend_on_their_batch"
         pairs = [(t, c) for t, c in TARGET_CASES if not (coupled and c in BATCH_COUPLED)]
-        metafunc.parametrize(("target", "drafter_case"), pairs, indirect=True, ids=[f"{t}-{c}" for t, c in pairs])
+        if "sampled_verifier" not in metafunc.fixturenames:
+            metafunc.parametrize(("target", "drafter_case"), pairs, indirect=True, ids=[f"{t}-{c}" for t, c in pairs])
+            return
+        from specdec.testing.conformance import SAMPLED_VERIFIERS
+
+        triples = [(t, c, "rejection") for t, c in pairs] + [
+            ("llama", c, v) for v in SAMPLED_VERIFIERS if v != "rejection" for c in VERIFIER_CASES]
+        metafunc.parametrize(("target", "drafter_case", "sampled_verifier"), triples, indirect=["target", "drafter_case"],
+                             ids=[f"{t}-{c}-{v}" for t, c, v in triples])
 
 
 @pytest.fixture(scope="session")

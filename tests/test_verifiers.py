@@ -53,7 +53,8 @@ def test_greedy_verifier_refuses_sampling():
 
 
 def test_every_verifier_states_lossless():
-    assert {n: c.lossless for n, c in VERIFIERS.items()} == {"greedy": True, "rejection": True, "typical": False}
+    assert {n: c.lossless for n, c in VERIFIERS.items()} == {"greedy": True, "rejection": True, "typical": False,
+                                                                  "block": True, "coupled": True}
 
 
 # --- sampled: exact distribution of the emitted tokens -------------------------------------------

@@ -3,7 +3,8 @@ sampled decoding, the q-contract, batch independence and the edge cases. Statist
 fixed seeds and a Bonferroni bound: the family-wise error of each test function is ALPHA.
 
 The tests take two fixtures: ``target`` (a tiny random target) and ``drafter_case`` ((name,
-drafter) pairs). This repository's ``tests/conftest.py`` provides them for every registered
+drafter) pairs); the exact tests of sampled decoding also take ``sampled_verifier``, the registered
+name of a lossless verifier (:data:`SAMPLED_VERIFIERS`), so every such verifier is held to them. This repository's ``tests/conftest.py`` provides them for every registered
 drafter; :mod:`specdec.testing.plugin` provides them for any drafter, so the suite runs from
 outside this repository too::
 
@@ -23,11 +24,16 @@ import specdec
 from specdec import SamplingParams
 from specdec.loop import Request, run
 from specdec.policy import AdaptivePolicy, StepCosts
+from specdec.registry import verifier_class
 from specdec.testing import Recording, assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
 from specdec.verifiers import GreedyVerifier, RejectionVerifier, TypicalVerifier
 
 
 ALPHA = 1e-3
+# The lossless verifiers of sampled decoding, by registered name: the tests that take ``sampled_verifier``
+# run each of them (a new lossless verifier is added here). This repository's conftest runs
+# ``rejection`` on every case and the others on a few cases of each kind; the plugin runs all on every drafter.
+SAMPLED_VERIFIERS = ("rejection", "block", "coupled")
 SETTINGS = [
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=0.7, top_k=5),
@@ -82,18 +88,19 @@ def test_autoregressive_equals_target_greedy(target):
 
 # --- sampled ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("sampling", SETTINGS, ids=SETTING_IDS)
-def test_sampled_matches_target_distribution(drafter_case, target, sampling):
+def test_sampled_matches_target_distribution(drafter_case, target, sampling, sampled_verifier):
     _, drafter = drafter_case
-    r = sampled_gof(target, drafter, RejectionVerifier(), PROMPT, sampling, n_samples=4000)
+    r = sampled_gof(target, drafter, verifier_class(sampled_verifier)(), PROMPT, sampling, n_samples=4000)
     assert len(r.pvalues) >= 3, "too few conditional tests: the suite would prove nothing"
     bound = ALPHA / (len(r.pvalues) * len(SETTINGS))
     worst = min(zip(r.pvalues, r.tests))
     assert worst[0] > bound, f"output is not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
 
 
-def test_sampled_matches_target_distribution_with_the_adaptive_policy(drafter_case, target):
+def test_sampled_matches_target_distribution_with_the_adaptive_policy(drafter_case, target, sampled_verifier):
     _, drafter = drafter_case
-    r = sampled_gof(target, drafter, RejectionVerifier(), PROMPT, SETTINGS[0], n_samples=4000, policy=adaptive_policy())
+    r = sampled_gof(target, drafter, verifier_class(sampled_verifier)(), PROMPT, SETTINGS[0], n_samples=4000,
+                    policy=adaptive_policy())
     assert len(r.pvalues) >= 3, "too few conditional tests: the suite would prove nothing"
     worst = min(zip(r.pvalues, r.tests))
     assert worst[0] > ALPHA / len(r.pvalues), f"output is not distributed as the target's: {worst[1]} p={worst[0]:.2e}"
@@ -158,13 +165,28 @@ def test_q_contract_catches_a_lying_drafter(target):
 
 # --- batch independence and edge cases ----------------------------------------------------------
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rows_do_not_depend_on_their_batch(drafter_case, target, temperature):
+def test_rows_do_not_depend_on_their_batch(drafter_case, target, temperature, sampled_verifier):
     _, drafter = drafter_case
+    verifier = verifier_class(sampled_verifier)
     mine = Request([3, 1, 4, 1, 5], 10, SamplingParams(temperature=temperature, seed=7))
     others = [Request([9, 2, 6] * (i + 1), 4 + 3 * i, SamplingParams(temperature=1.0, seed=i)) for i in range(3)]
-    alone = run(target, drafter, RejectionVerifier(), [mine], k=3, eos_token_ids=set()).requests[0].tokens
-    batched = run(target, drafter, RejectionVerifier(), others[:1] + [mine] + others[1:], k=3, eos_token_ids=set())
+    alone = run(target, drafter, verifier(), [mine], k=3, eos_token_ids=set()).requests[0].tokens
+    batched = run(target, drafter, verifier(), others[:1] + [mine] + others[1:], k=3, eos_token_ids=set())
     assert batched.requests[1].tokens == alone
+
+
+def test_greedy_rows_of_a_sampled_batch_equal_target_greedy(drafter_case, target, sampled_verifier):
+    """Temperature-0 rows verified in one batch with temperature-1 rows: the verifier's sampled path
+    must give them exactly the argmax rule."""
+    _, drafter = drafter_case
+    prompts, n = [[1, 2, 3, 4, 1, 2, 3], [5, 6], [7, 8, 9, 7, 8, 9, 7]], 12
+    reqs = [Request(p, n, SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0, seed=i))
+            for i, p in enumerate(prompts + prompts)]
+    res = run(target, drafter, verifier_class(sampled_verifier)(), reqs, k=4, eos_token_ids=set())
+    for r, req in zip(res.requests, reqs):
+        if req.sampling.greedy:
+            ref, logits = greedy_reference(target.model, req.prompt, n)
+            assert_greedy_equivalent(r.tokens, ref, logits)
 
 
 def test_eos_mid_draft_stops_only_that_row(target):

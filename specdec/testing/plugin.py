@@ -58,6 +58,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if not CASES:
             raise pytest.UsageError("no drafter to test: pass --specdec-drafter NAME or module:Class")
         metafunc.parametrize("drafter_case", sorted(CASES), indirect=True)
+    if "sampled_verifier" in metafunc.fixturenames:  # every lossless verifier on every drafter given
+        from specdec.testing.conformance import SAMPLED_VERIFIERS
+
+        metafunc.parametrize("sampled_verifier", SAMPLED_VERIFIERS)
 
 
 @pytest.fixture(scope="session")
