@@ -13,8 +13,14 @@ over a given number of rows depends on the CPU (docs/roofline.md):
   inductor's CPU freezing and vLLM's CPU backend prepack). On the Xeon a pass over SmolLM2's linear
   layers at 5 rows costs 1.37x ``F.linear``'s one-row pass this way against 1.76x with ``F.linear``;
   one row costs a third more than ``F.linear``'s, so it is taken only where it wins. The copy is a
-  second set of those weights in memory, made at the first measurement and dropped again if no
-  row count takes it.
+  second set of those weights in memory (the originals stay: the one-row forward, a tied
+  embedding, transformers' own calls and training read them), so packing is bounded: only the
+  layers :func:`pack_layers` picks within a **budget**, a share of the model's float32 linear
+  weight bytes (:func:`set_pack_budget`; a :class:`~specdec.target.Target` sets :data:`PACK_BUDGET`
+  unless told another; a model never given one packs every layer), hold a copy, the largest first (the packed op's fixed cost per call, about five
+  times ``F.linear``'s, is what a small layer cannot win back); the others keep ``F.linear`` inside
+  a "packed" pass, and the pass is measured that way. The copies are made at the first
+  measurement and dropped again if no row count takes them.
 
 Only the rounding differs. So the choice is measured, not assumed, but never inside a timed run:
 :func:`autotune` (called by :func:`specdec.load_target`, or ``python -m specdec.few_rows``) times one
@@ -58,7 +64,8 @@ from specdec.timing import Stopwatch
 
 __all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
            "choose", "plan_for", "plan_record", "plan_key", "cached_plan", "autotune", "cache_folder", "cpu_model",
-           "pin", "packing_available", "packed_bytes"]
+           "pin", "packing_available", "packed_bytes", "PACK_BUDGET", "linear_bytes", "pack_layers", "set_pack_budget",
+           "pack_budget"]
 
 PRODUCTS = ("linear", "mm", "packed")
 """The products a row count can take; ``"linear"`` is the layer's own (and the default)."""
@@ -73,6 +80,11 @@ MARGIN = 0.1
 """A product other than ``F.linear`` is taken for a row count only when a pass takes at most
 ``1 - MARGIN`` of ``F.linear``'s, so that timing noise rarely flips the choice (and with it the
 rounding) between runs."""
+
+PACK_BUDGET = 0.25
+"""The share of a model's float32 linear-weight bytes its packed copies may hold by default: a
+quarter (SmolLM2-135M: its tied LM head and six MLP projections, 128 of 513 MiB). Packing every
+layer holds the linear weights twice."""
 
 Plan = Mapping[int, str]
 """Row count → ``"mm"`` or ``"packed"``; a row count not in it takes ``F.linear``."""
@@ -89,6 +101,8 @@ _PLAN: ContextVar[Plan] = ContextVar("specdec_few_rows", default=_EMPTY)
 # model -> (threads, packed) -> (plan, where it came from: "pinned", "measured", "cached", "heuristic")
 _CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, bool], tuple[Plan, str]]] = weakref.WeakKeyDictionary()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+_UNPACKED: weakref.WeakKeyDictionary[nn.Linear, bool] = weakref.WeakKeyDictionary()  # layers a budget leaves out
+_BUDGET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()  # model -> its budget
 _PACK_HINT = 8  # the batch size oneDNN is told to pack for (4 and 16 measured the same)
 
 
@@ -119,7 +133,7 @@ def _product(how: str, flat: Tensor, module: nn.Linear) -> Tensor:
     takes and what :func:`measure` times, the same call."""
     if how == "mm":
         return _mm(flat, module.weight, module.bias)
-    if how == "packed":
+    if how == "packed" and module not in _UNPACKED:
         return _packed(flat, module)
     return F.linear(flat, module.weight, module.bias)
 
@@ -171,6 +185,60 @@ def packed_bytes(model: nn.Module) -> int:
     return sum(_PACKED[m][1].nbytes for m in model.modules() if m in _PACKED)
 
 
+def linear_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s float32 CPU linear weights, what a packing budget is a share of (a tied
+    weight counts once per layer that reads it: each layer would get a copy of its own)."""
+    return sum(m.weight.nbytes for m in _cpu_float32_weights(model))
+
+
+def _check_budget(budget: float) -> float:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 <= budget <= 1:
+        raise ValueError(f"a packing budget is a share of the linear weights' bytes in [0, 1], got {budget!r}")
+    return float(budget)
+
+
+def pack_layers(model: nn.Module, budget: float = PACK_BUDGET) -> list[nn.Linear]:
+    """The float32 CPU linear layers of ``model`` that may hold a packed copy within ``budget`` (a
+    share of :func:`linear_bytes`): the largest first, each one that still fits (ties in model order)."""
+    left = _check_budget(budget) * linear_bytes(model)
+    chosen = []
+    for m in sorted(_cpu_float32_weights(model), key=lambda m: -m.weight.nbytes):  # a stable sort
+        if m.weight.nbytes <= left:
+            chosen.append(m)
+            left -= m.weight.nbytes
+    return chosen
+
+
+def set_pack_budget(model: nn.Module, budget: float = PACK_BUDGET) -> None:
+    """Let only :func:`pack_layers`'s layers hold packed copies (any other layer's copy is dropped
+    now; theirs are made when first needed). Plans tuned under another budget hold for that one
+    (:func:`plan_key` names the budget)."""
+    budget = _check_budget(budget)
+    if _BUDGET.get(model) == budget:
+        return
+    keep = set(map(id, pack_layers(model, budget)))
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            if id(m) in keep:
+                _UNPACKED.pop(m, None)
+            else:
+                _UNPACKED[m] = True
+                _PACKED.pop(m, None)
+    _BUDGET[model] = budget
+
+
+def pack_budget(model: nn.Module) -> float:
+    """The packing budget in effect for ``model`` (1.0, every layer, until one is set)."""
+    return _BUDGET.get(model, 1.0)
+
+
+def _make_copies(model: nn.Module) -> None:
+    """The packed copies of the layers within ``model``'s budget, made now (not in a timed pass)."""
+    for m in _cpu_float32_weights(model):
+        if m not in _UNPACKED:
+            _packed_weight(m)
+
+
 def _unpack(model: nn.Module) -> None:
     for m in model.modules():
         _PACKED.pop(m, None)
@@ -197,14 +265,14 @@ def _cpu_float32_weights(model: nn.Module) -> list[nn.Linear]:
 def measure(model: nn.Module, row_counts: tuple[int, ...] = ROW_COUNTS, reps: int = 2,
             packed: bool = True) -> dict[int, dict[str, float]]:
     """Seconds of one pass over ``model``'s float32 CPU linear layers per row count and product
-    (``"mm"`` up to :data:`MM_ROWS` rows, ``"packed"`` when asked and available), best of ``reps``
-    with the products interleaved, at the current number of threads. Packing makes the copies."""
+    (``"mm"`` up to :data:`MM_ROWS` rows, ``"packed"`` when asked and available: the layers within
+    the model's packing budget packed, the others ``F.linear``), best of ``reps`` with the products
+    interleaved, at the current number of threads. Packing makes the copies."""
     layers = _cpu_float32_weights(model)
     widths = {m.in_features for m in layers}
     packed = packed and packing_available()
     if packed:
-        for m in layers:  # the copies first: packing is not what a pass costs
-            _packed_weight(m)
+        _make_copies(model)  # the copies first: packing is not what a pass costs
     gen = torch.Generator().manual_seed(0)  # its own: measuring never moves the caller's random stream
     out: dict[int, dict[str, float]] = {}
     for rows in row_counts:
@@ -264,6 +332,7 @@ def plan_key(model: nn.Module, packed: bool = True, threads: int | None = None) 
     shapes = sorted((m.in_features, m.out_features, m.bias is not None) for m in layers)
     return {"cpu": cpu_model(), "threads": threads or torch.get_num_threads(), "dtype": "float32",
             "torch": torch.__version__, "packed": bool(packed and packing_available()),
+            "pack_budget": pack_budget(model) if packed else 0.0,
             "layers": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]}
 
 
@@ -304,8 +373,7 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
     if plan is not None:
         chosen[key] = (plan, "cached")
         if packed and "packed" in plan.values() and packing_available():
-            for m in _cpu_float32_weights(model):  # the copies now, not in the first timed forward
-                _packed_weight(m)
+            _make_copies(model)  # the copies now, not in the first timed forward
         return plan
     times = measure(model, packed=packed)
     plan = choose(times)
@@ -350,6 +418,8 @@ def plan_record(model: nn.Module, packed: bool = True) -> dict[str, Any]:
     (row count → product; a row count not named takes ``F.linear``)."""
     plan, source = _resolve(model, packed)
     return {"source": source, "threads": torch.get_num_threads(), "packed": packed,
+            "pack_budget": pack_budget(model) if packed else 0.0, "packed_mib": round(packed_bytes(model) / 2**20, 1),
+            "linear_mib": round(linear_bytes(model) / 2**20, 1),
             "plan": {str(r): how for r, how in sorted(plan.items())}}
 
 

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from specdec import gqa_attention
-from specdec.few_rows import Plan, autotune, few_rows, install, plan_for, plan_record
+from specdec.few_rows import PACK_BUDGET, Plan, autotune, few_rows, install, plan_for, plan_record, set_pack_budget
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
@@ -127,14 +127,17 @@ class Target:
     tracing alone). The KV store's writes stay eager (a graph break per layer): its buffers are
     inference tensors, which a compiled graph may not mutate. ``pack``: on a CPU, let the fast path
     measure (and, where faster, use) oneDNN's packed product for float32 linear layers over a few
-    rows, which holds a second copy of those weights (:mod:`specdec.few_rows`); ``False`` never
-    makes one.
+    rows, which holds a second copy of the weights it packs (:mod:`specdec.few_rows`); ``False`` never
+    makes one. ``pack_budget``: the share of the linear weights' bytes those copies may hold, the
+    largest layers first (:func:`specdec.few_rows.set_pack_budget`; ``1.0`` packs every layer).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False,
-                 pack: bool = True):
+                 pack: bool = True, pack_budget: float = PACK_BUDGET):
         if not isinstance(pack, bool):
             raise TypeError(f"pack must be a bool, got {type(pack).__name__}")
+        if pack:
+            set_pack_budget(model, pack_budget)  # raises on a budget outside [0, 1]
         self.model = model.eval()
         self.fast = fast
         self.pack = pack

@@ -59,12 +59,14 @@ def test_a_plan_is_measured_once_per_machine_key_then_read_from_the_cache(cache,
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["key"] == fr.plan_key(first) and record["plan"] == {"2": "mm"}
-    assert set(record["key"]) == {"cpu", "threads", "dtype", "torch", "packed", "layers"}
+    assert set(record["key"]) == {"cpu", "threads", "dtype", "torch", "packed", "pack_budget", "layers"}
     assert record["key"]["cpu"] == fr.cpu_model() and record["key"]["torch"] == torch.__version__
 
     again = _model(seed=1)  # another process's model of the same shapes: read, not measured
     assert fr.autotune(again) == {2: "mm"} and measured == [1]
-    assert fr.plan_record(again) == {"source": "cached", "threads": 1, "packed": True, "plan": {"2": "mm"}}
+    assert fr.plan_record(again) == {"source": "cached", "threads": 1, "packed": True, "pack_budget": 1.0,
+                                     "packed_mib": 0.0, "linear_mib": round(fr.linear_bytes(again) / 2**20, 1),
+                                     "plan": {"2": "mm"}}
     fresh = _model(seed=2)
     assert fr.plan_for(fresh) == {2: "mm"} and fr.plan_record(fresh)["source"] == "cached" and measured == [1]
 
@@ -123,7 +125,9 @@ def test_the_first_generate_after_load_target_spends_no_time_measuring(cache, mo
     out_ar = specdec.generate(target, [[1, 2, 3, 4]], None, max_new_tokens=6)
     assert calls == ["load"]
     plan = {str(r): h for r, h in fr.plan_for(target.model).items()}
-    assert out.summary.few_rows == {"source": "measured", "threads": 1, "packed": True, "plan": plan}
+    assert out.summary.few_rows == {"source": "measured", "threads": 1, "packed": True, "plan": plan,
+                                    **{k: out.summary.few_rows[k] for k in ("pack_budget", "packed_mib", "linear_mib")}}
+    assert out.summary.few_rows["pack_budget"] == fr.PACK_BUDGET
     assert out.summary["few_rows"] == out_ar.summary.few_rows and "few-row plan (measured, 1 threads)" in str(out.summary)
     assert out_ar.summary.k == 0 and out.summary.k == 3  # the baseline asks no drafts
 
@@ -135,7 +139,8 @@ def test_the_first_generate_after_load_target_spends_no_time_measuring(cache, mo
                                   autotune=False)
     assert calls == ["load"]
     assert specdec.generate(untuned, [[1, 2]], None, max_new_tokens=2).summary.few_rows == {
-        "source": "heuristic", "threads": 1, "packed": True, "plan": {}}
+        "source": "heuristic", "threads": 1, "packed": True, "plan": {}, "pack_budget": fr.PACK_BUDGET,
+        "packed_mib": 0.0, "linear_mib": round(fr.linear_bytes(untuned.model) / 2**20, 1)}
     with pytest.raises(TypeError, match="autotune"):
         specdec.load_target(again.model, autotune="yes")
 

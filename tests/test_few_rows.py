@@ -263,7 +263,7 @@ def test_the_target_packs_only_when_allowed_and_its_head_follows_the_plan_for_a_
     from specdec.testing.tiny import tiny_model
 
     model = tiny_model("llama", vocab_size=48, init_scale=0.2, seed=3)
-    target = Target(model, pack=pack)
+    target = Target(model, pack=pack, pack_budget=1.0)  # every layer may hold a copy (the head is not the largest)
     pin(model, {5: "packed"}, packed=True)
     pin(model, {}, packed=False)
     hidden = torch.randn(1, 5, target.hidden_size)
