@@ -196,9 +196,9 @@ def test_bad_inputs_raise(target, tmp_path):
         DFlashDrafter(BlockDraftModel(d.cfg.__class__(**{**d.cfg.to_dict(), "hidden_size": 16}))).bind(target)
     with pytest.raises(ValueError, match="checkpoint"):
         DFlashDrafter.create(target, checkpoint=str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="reduced draft vocabulary"):
+    with pytest.raises(ValueError, match="draft_vocab_size 0 outside"):
         config_from_dict({"speculators_model_type": "dflash", "transformer_layer_config": {**_arch(d.cfg)},
-                          "aux_hidden_state_layer_ids": [0], "block_size": 4, "mask_token_id": 1, "draft_vocab_size": 8})
+                          "aux_hidden_state_layer_ids": [0], "block_size": 4, "mask_token_id": 1, "draft_vocab_size": 0})
     with pytest.raises(ValueError, match="not a DFlash"):
         config_from_dict({"architectures": ["LlamaForCausalLM"]})
 
@@ -368,8 +368,9 @@ def test_newer_zlab_fields_are_read_or_refused(target, tmp_path):
 
 def test_exports_are_what_vllm_reads(target, tmp_path):
     """vLLM's DFlash model reads ``draft_vocab_size`` as the rows of a draft LM head (with a d2t
-    map when smaller than the target's vocabulary): exports with a t2d mask must not write it
-    (speculators' must write the full one); z-lab's MLX loader reads ``rope_theta``."""
+    map when smaller than the target's vocabulary): z-lab exports with a t2d mask must not write it;
+    speculators' write the reduced one with its head rows and d2t, as speculators saves a draft
+    vocabulary; z-lab's MLX loader reads ``rope_theta``."""
     d = DFlashDrafter.tiny(target)
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[[3, 5, 7]] = True
@@ -377,8 +378,8 @@ def test_exports_are_what_vllm_reads(target, tmp_path):
     native = json.loads((save_block_draft(d.model, tmp_path / "z", dtype=torch.float32) / "config.json").read_text())
     assert "draft_vocab_size" not in native
     assert native["rope_theta"] == native["rope_parameters"]["rope_theta"]
-    spec = json.loads((save_block_draft(d.model, tmp_path / "s", dtype=torch.float32, layout="speculators")
-                       / "config.json").read_text())
-    assert spec["draft_vocab_size"] == target.vocab_size
+    spec = json.loads((save_block_draft(d.model, tmp_path / "s", dtype=torch.float32, layout="speculators",
+                                        lm_head=target.lm_head.weight) / "config.json").read_text())
+    assert spec["draft_vocab_size"] == 3  # speculators' reduced vocabulary: its rows of the head, t2d and d2t
     assert spec["transformer_layer_config"]["rope_theta"] == native["rope_theta"]
     assert torch.equal(load_block_draft(tmp_path / "s").t2d, t2d)

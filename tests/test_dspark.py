@@ -243,7 +243,7 @@ def test_reads_and_writes_the_speculators_dspark_layout(target, tmp_path):
     cfg = d.cfg
     folder = save_block_draft(d.model, tmp_path / "ours", dtype=torch.float32, layout="speculators", verifier="tiny")
     config = json.loads((folder / "config.json").read_text())
-    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkSpeculator"]
+    assert config["speculators_model_type"] == "dspark" and config["architectures"] == ["DSparkDraftModel"]
     assert config["markov_rank"] == cfg.markov_rank and config["markov_head_type"] == "gated"
     assert config["enable_confidence_head"] and config["confidence_head_with_markov"] and config["sample_from_anchor"]
     assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in cfg.target_layer_ids]

@@ -14,9 +14,13 @@ All three layouts share the backbone's weight names (``layers.{i}.self_attn.{q,k
   ``transformer_layer_config``, ids in ``aux_hidden_state_layer_ids``, ``mask_token_id``,
   ``block_size``, and ``sample_from_anchor`` (the anchor drafts too, as DSpark). Its ids index
   ``hidden_states`` (0 = the embeddings), so each is the z-lab id + 1 (speculators' converter adds
-  one; vLLM subtracts it). A reduced draft vocabulary (a smaller LM head with ``d2t``) is not
-  supported; a ``t2d`` mask over the full vocabulary is read as the draft vocabulary. Written by
-  :func:`save_block_draft` with ``layout="speculators"``.
+  one; vLLM subtracts it). A draft vocabulary is speculators' reduced one: ``draft_vocab_size``
+  rows, ``t2d`` [V] bool, ``d2t`` [Vd] offsets and the LM head's rows (the verifier's, which
+  speculators freezes), read back as a ``t2d`` mask over the target's own head. Written by
+  :func:`save_block_draft` with ``layout="speculators"``, field by field as speculators 0.9.0 saves
+  (``architectures`` ``DFlashDraftModel``/``DSparkDraftModel``, ``dtype``, ``speculators_version``,
+  the verifier's architectures; :mod:`specdec.drafters.speculators_format`), and its converter's
+  layer rule: a layer id naming the verifier's last layer (hidden_states index L) is dropped.
 - **DeepSpec** (``architectures: ["Qwen3DSparkModel"]``): a copy of the target's config plus
   ``block_size``, ``mask_token_id``, ``target_layer_ids``, ``markov_rank``, ``markov_head_type``,
   ``enable_confidence_head``, ``confidence_head_with_markov``; weights add
@@ -33,13 +37,14 @@ Embeddings and LM head, when a file carries them, are skipped: the target's are 
 optional ``t2d`` tensor ([V] bool) restricts drafts to a draft vocabulary
 (:meth:`~specdec.drafters.dflash.model.BlockDraftModel.set_draft_vocab`); exports write no
 ``draft_vocab_size`` beside it in z-lab/DeepSpec files (vLLM would read it as the row count of a
-draft LM head with a ``d2t`` map) and the full vocabulary's in speculators files. Weights are
+draft LM head with a ``d2t`` map) and the reduced one's in speculators files. Weights are
 read with safetensors only; nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +55,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel
+from specdec.drafters.speculators_format import SPECULATORS_VERSION, dtype_name, verifier_block
 from specdec.models import safetensors_files
 
 __all__ = ["BlockFamily", "register_block_family", "config_from_dict", "checkpoint_family", "load_block_draft",
            "save_block_draft"]
 
-_SKIP = ("embed_tokens.", "lm_head.", "verifier_", "d2t")
+_SKIP = ("embed_tokens.", "lm_head.", "verifier_")
 _ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")
 
@@ -70,9 +76,11 @@ class BlockFamily:
     # (config, the backbone's architecture fields) → the config.json the family writes
     write: Callable[[Any, dict[str, Any]], dict[str, Any]]
     # config → the family's own fields of a speculators config.json (its architectures, its heads)
-    speculators: Callable[[Any], dict[str, Any]] = lambda cfg: {"architectures": ["DFlashSpeculator"]}
+    speculators: Callable[[Any], dict[str, Any]] = lambda cfg: {"architectures": ["DFlashDraftModel"]}
     # fields of _NEUTRAL the family implements (its read takes them), so they are not refused
     implements: frozenset[str] = frozenset()
+    # weights whose rows span the drafted vocabulary: speculators keeps only a draft vocabulary's rows
+    draft_vocab_rows: tuple[str, ...] = ()
 
 
 def _zlab_config(cfg: BlockDraftConfig, arch: dict[str, Any]) -> dict[str, Any]:
@@ -162,9 +170,8 @@ def _backbone(c: dict[str, Any], layout: str, implemented: frozenset[str] = froz
         t = c["transformer_layer_config"]
         _check_unsupported(t, "transformer_layer_config.")
         draft_vocab = c.get("draft_vocab_size")
-        if draft_vocab is not None and draft_vocab != t["vocab_size"]:
-            raise ValueError(f"speculators checkpoint with a reduced draft vocabulary ({draft_vocab} of"
-                             f" {t['vocab_size']}) is not supported")
+        if draft_vocab is not None and not 0 < int(draft_vocab) <= int(t["vocab_size"]):
+            raise ValueError(f"speculators draft_vocab_size {draft_vocab} outside [1, {t['vocab_size']}]")
         if c.get("projector_type", "dflash") != "dflash":
             raise ValueError(f"speculators projector_type {c['projector_type']!r} is not supported")
         # speculators' ids index hidden_states (0 = embeddings): one more than the layer whose output they name
@@ -205,7 +212,8 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     """The draft network of a checkpoint folder in any supported layout, of the family the
     layout holds (a DSpark file gives a DSpark model)."""
     folder = Path(folder)
-    family, cfg = _read(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    family, cfg = _read(config)
     model = family.model_class(cfg)
     state: dict[str, torch.Tensor] = {}
     for f in safetensors_files(folder):
@@ -214,41 +222,82 @@ def load_block_draft(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
                 name = key.removeprefix("model.")
                 if not name.startswith(_SKIP):
                     state[name] = sf.get_tensor(key)
-    t2d = state.get("t2d")
-    if t2d is not None:  # a draft vocabulary over the full one (a reduced lm_head was refused above)
-        state["t2d"] = t2d.bool()
-        model.set_draft_vocab(state["t2d"])
+    _draft_vocab(model, family, state, folder, config.get("draft_vocab_size") if "speculators_model_type" in config
+                 else None)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {folder} does not match its config: missing {missing}, unexpected {unexpected}")
     return model.to(dtype).eval()
 
 
+def _draft_vocab(model: BlockDraftModel, family: BlockFamily, state: dict[str, torch.Tensor], folder: Path,
+                 draft_vocab_size: int | None) -> None:
+    """A file's draft vocabulary (``t2d``, and speculators' ``d2t`` and reduced rows) as the model's
+    mask over the full vocabulary: rows a reduced file leaves out are zero, and never drafted."""
+    t2d, d2t = state.get("t2d"), state.pop("d2t", None)
+    if t2d is None:
+        if draft_vocab_size is not None and int(draft_vocab_size) != model.cfg.vocab_size:
+            raise ValueError(f"{folder}: draft_vocab_size {draft_vocab_size} without a t2d map")
+        return
+    t2d = state["t2d"] = t2d.bool()
+    ids = t2d.nonzero().squeeze(1)
+    if draft_vocab_size is not None and ids.numel() != int(draft_vocab_size):
+        raise ValueError(f"{folder}: t2d marks {ids.numel()} ids, draft_vocab_size is {draft_vocab_size}")
+    if d2t is not None and not torch.equal(torch.arange(d2t.numel()) + d2t.long(), ids):
+        raise ValueError(f"{folder}: d2t does not map the draft ids onto the target ids t2d marks")
+    V = model.cfg.vocab_size
+    for name in family.draft_vocab_rows:
+        w = state.get(name)
+        if w is not None and w.shape[0] == ids.numel() != V:
+            state[name] = w.new_zeros(V, *w.shape[1:]).index_copy_(0, ids, w)
+    model.set_draft_vocab(t2d)
+
+
+def _speculators_layer_ids(cfg: BlockDraftConfig, fc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """``aux_hidden_state_layer_ids`` (hidden_states indices: z-lab id + 1) and ``fc.weight``, by
+    speculators' converter's rule: index L (the verifier's last layer, which speculators' data
+    carries as ``verifier_last_hidden_states``, never as a feature) is dropped, with its columns of
+    ``fc`` (speculators slices ``fc.weight`` to the ids it keeps)."""
+    aux = [i + 1 for i in cfg.target_layer_ids]
+    L = cfg.num_target_layers
+    if L is None or L not in aux:
+        return aux, fc
+    j, D = aux.index(L), cfg.hidden_size
+    warnings.warn(f"layer id {L - 1} (hidden_states index {L}, the verifier's last layer) is dropped from the"
+                  " speculators export, as speculators' converter drops it: the exported draft reads one feature"
+                  " fewer than this one", UserWarning, stacklevel=3)
+    return aux[:j] + aux[j + 1:], torch.cat([fc[:, :j * D], fc[:, (j + 1) * D:]], 1)
+
+
 def _speculators_config(name: str, family: BlockFamily, cfg: BlockDraftConfig, arch: dict[str, Any],
-                        verifier: str | None) -> dict[str, Any]:
+                        verifier: str | None, verifier_architectures: list[str] | None, dtype: torch.dtype,
+                        aux: list[int], draft_vocab: int) -> dict[str, Any]:
     """speculators' layout (``DFlashSpeculatorConfig`` / ``DSparkSpeculatorConfig`` field names)."""
     layer = {k: v for k, v in arch.items() if k not in ("num_target_layers", "block_size")}
     return {"speculators_model_type": name, **family.speculators(cfg), "transformer_layer_config": layer,
-            "draft_vocab_size": cfg.vocab_size,  # the target's full head: no d2t map
+            "draft_vocab_size": draft_vocab, "dtype": dtype_name(dtype), "speculators_version": SPECULATORS_VERSION,
             "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
-            "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # hidden_states indices
+            "aux_hidden_state_layer_ids": aux,  # hidden_states indices
             "mask_token_id": cfg.mask_token_id, "sample_from_anchor": cfg.anchor_predicts,
             "speculators_config": {"algorithm": name, "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy",
                                                          "speculative_tokens": cfg.num_drafts}],
-                                   "verifier": {"name_or_path": verifier, "architectures": []}}}
+                                   "verifier": verifier_block(verifier, verifier_architectures)}}
 
 
 def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
                      extra: dict[str, Any] | None = None, layout: str = "native",
-                     verifier: str | None = None) -> Path:
+                     verifier: str | None = None, verifier_architectures: list[str] | None = None,
+                     lm_head: torch.Tensor | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors``: ``layout="native"`` is the family's own
     (z-lab for DFlash, DeepSpec for DSpark), ``"speculators"`` speculators' (``verifier``, the
-    target's hub id or path, is recorded there). No embedding or LM head is stored."""
+    target's hub id or path, is recorded there with its architectures: ``verifier_architectures``,
+    else its folder's ``config.json``). No embedding or LM head is stored, except in a speculators
+    file of a draft vocabulary: speculators reads that as a reduced LM head, so the target's head
+    rows go in (``lm_head``, the target's ``lm_head.weight`` [V, D]) beside ``t2d`` and ``d2t``."""
     if layout not in ("native", "speculators"):
         raise ValueError(f"layout must be 'native' or 'speculators', got {layout!r}")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     rope = dict(cfg.rope_parameters)
     arch = {k: getattr(cfg, k) for k in _ARCH_FIELDS} | {"rope_parameters": rope, "rope_theta": rope["rope_theta"],
@@ -258,10 +307,28 @@ def save_block_draft(model: BlockDraftModel, folder: str | Path, dtype: torch.dt
     name, family = next(((n, f) for n, f in _FAMILIES.items() if type(model) is f.model_class), (None, None))
     if family is None:
         raise ValueError(f"no block-draft family registered for {type(model).__name__}")
-    config = family.write(cfg, arch) if layout == "native" else _speculators_config(name, family, cfg, arch, verifier)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if layout == "native":
+        config = family.write(cfg, arch)
+    else:
+        aux, state["fc.weight"] = _speculators_layer_ids(cfg, state["fc.weight"])
+        draft_vocab = cfg.vocab_size
+        if model.t2d is not None:  # speculators' reduced vocabulary: t2d, d2t, and the head's and bias' rows
+            if lm_head is None or tuple(lm_head.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise ValueError("a speculators export of a draft vocabulary carries its LM head rows: pass lm_head,"
+                                 f" the target's lm_head.weight [{cfg.vocab_size}, {cfg.hidden_size}]")
+            ids = model.t2d.nonzero().squeeze(1).cpu()
+            draft_vocab = ids.numel()
+            state["d2t"] = ids - torch.arange(draft_vocab)
+            state["lm_head.weight"] = lm_head.detach().cpu()[ids]
+            for row_name in family.draft_vocab_rows:
+                if row_name in state:
+                    state[row_name] = state[row_name].cpu()[ids]
+        config = _speculators_config(name, family, cfg, arch, verifier, verifier_architectures, dtype, aux,
+                                     draft_vocab)
     config.update(extra or {})
-    state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
-             for k, v in model.state_dict().items()}
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder

@@ -108,7 +108,9 @@ def _write(cfg: DSparkConfig, arch: dict[str, Any]) -> dict[str, Any]:
 
 def _speculators(cfg: DSparkConfig) -> dict[str, Any]:
     """speculators' DSparkSpeculatorConfig fields beyond the backbone's."""
-    return {"architectures": ["DSparkSpeculator"], **_heads(cfg)}
+    return {"architectures": ["DSparkDraftModel"], **_heads(cfg)}
 
 
-register_block_family("dspark", BlockFamily(DSparkModel, _read, _write, _speculators))
+# the Markov head's W2 scores the drafted vocabulary: speculators keeps a draft vocabulary's rows of it
+register_block_family("dspark", BlockFamily(DSparkModel, _read, _write, _speculators,
+                                            draft_vocab_rows=("markov_head.markov_w2.weight",)))

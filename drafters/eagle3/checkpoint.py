@@ -12,7 +12,9 @@ methods, verifier); weights ``fc.weight``, ``layers.0.*`` (with ``hidden_norm``)
 ``fc_norm.<i>.weight`` (one per feature layer) with ``fc_norm``, and ``embed_tokens.weight`` only
 when the draft has its own embedding (otherwise the target's is shared, which keeps a SmolLM2 draft
 under 25 MB). Field and weight names as speculators writes them (checked against
-vllm-project/speculators@c05b95b, ``src/speculators/models/eagle3/{config,core}.py``).
+vllm-project/speculators@c05b95b, ``src/speculators/models/eagle3/{config,core}.py``, and the 0.9.0
+release); ``architectures``, ``dtype``, ``speculators_version`` and the verifier block as every
+speculators save writes them (:mod:`specdec.drafters.speculators_format`).
 
 **SafeAILab** (``SafeAILab/EAGLE``, EAGLE-3 releases): a Llama-like ``config.json`` with
 ``draft_vocab_size``, weights ``midlayer.*`` (the decoder layer), ``fc``, ``norm``, ``lm_head``,
@@ -34,6 +36,7 @@ from transformers import LlamaConfig
 
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, default_layer_ids
 from specdec.drafters.eagle3.tree import DEFAULT_STATIC_TREE, StaticTree, parse_tree
+from specdec.drafters.speculators_format import SPECULATORS_VERSION, dtype_name, verifier_block
 from specdec.models import safetensors_files
 
 __all__ = ["load_eagle3", "save_eagle3", "serving_config", "read_weights"]
@@ -106,8 +109,12 @@ def load_eagle3(folder: str | Path, num_target_layers: int | None = None) -> Eag
 
 
 def save_eagle3(model: Eagle3Model, folder: str | Path, verifier: str = "", num_speculative_tokens: int = 3,
-                dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
-    """Write ``model`` in the speculators format (config.json + model.safetensors)."""
+                dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
+                verifier_architectures: list[str] | None = None) -> Path:
+    """Write ``model`` in the speculators format (config.json + model.safetensors), the fields as
+    speculators' own ``save_pretrained`` writes them (:mod:`specdec.drafters.speculators_format`):
+    ``d2t`` and ``t2d`` always, ``dtype``, ``speculators_version`` and the verifier's architectures
+    (``verifier_architectures``, else read from ``verifier``'s ``config.json`` when it is a folder)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     spec, lc = model.spec, model.config
@@ -124,14 +131,15 @@ def save_eagle3(model: Eagle3Model, folder: str | Path, verifier: str = "", num_
         "norm_output": spec.norm_output,
         "target_hidden_size": None if spec.target_hidden_size == lc.hidden_size else spec.target_hidden_size,
         "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
+        "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": verifier, "architectures": []},
+            "verifier": verifier_block(verifier, verifier_architectures),
         },
         **(extra or {}),
     }
