@@ -44,7 +44,8 @@ from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, bui
 from specdec.data.store import StoreNeeds
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows
+from specdec.training.recipe import (Recipe, StepOutput, batch_anchors, copy_weights, forward_kl, head_rows,
+                                     masked_mean)
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
            "target_distribution", "BlockOptions", "DFlashOptions", "BlockRecipe", "DFlashRecipe"]
@@ -64,16 +65,8 @@ class BlockBatch:
 def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]``, sorted;
     returns anchors [B, A] and which are real [B, A], on the batch's device (drawn on the generator's)."""
-    B, host = batch.tokens.shape[0], gen.device
-    anchors = torch.zeros(B, num_anchors, dtype=torch.long, device=host)
-    keep = torch.zeros(B, num_anchors, dtype=torch.bool, device=host)
-    for b, (start, length) in enumerate(zip(batch.response_start.tolist(), batch.lengths.tolist())):
-        lo, hi = start, length - 1  # need a label after the anchor
-        n = max(hi - lo, 0)
-        pick = (torch.randperm(n, generator=gen, device=host)[:num_anchors] + lo).sort().values
-        anchors[b, : pick.numel()] = pick
-        keep[b, : pick.numel()] = True
-    return anchors.to(batch.tokens.device), keep.to(batch.tokens.device)
+    return batch_anchors(batch.response_start, batch.lengths, num_anchors, gen,
+                         lambda start, length: (start, length - 2), device=batch.tokens.device)  # a label after it
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
@@ -145,7 +138,7 @@ def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch:
 def weighted_ce(p: BlockPredictions, logits: Tensor) -> Tensor:
     """Cross-entropy of ``logits`` [B, A, γ, S] against the labels, weighted and normalised by the weights."""
     ce = F.cross_entropy(logits.flatten(0, 2), p.labels.flatten(), reduction="none").view(p.labels.shape)
-    return (ce * p.weight).sum() / p.weight.sum().clamp(min=1e-6)
+    return masked_mean(ce, p.weight, 1e-6)
 
 
 def per_position(values: Tensor, valid: Tensor) -> list[float]:
@@ -177,7 +170,7 @@ def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockB
         return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
     p_t = target_distribution(p, batch, head)
     div = forward_kl(p.logits, p_t)
-    loss = (div * p.weight).sum() / p.weight.sum().clamp(min=1e-6)
+    loss = masked_mean(div, p.weight, 1e-6)
     return StepOutput(loss, {"kl": float(loss.detach()),
                              "accept": per_position((p.logits.argmax(-1) == p_t.argmax(-1)).float(), p.valid)})
 

@@ -35,7 +35,7 @@ from specdec.drafters.dflash.train import (
 )
 from specdec.drafters.dspark.heads import calibrate_temperatures, expected_calibration_error
 from specdec.training.data import Batch, TrainData
-from specdec.training.recipe import StepOutput
+from specdec.training.recipe import StepOutput, masked_mean
 
 __all__ = ["dspark_loss", "DSparkOptions", "DSparkRecipe"]
 
@@ -54,14 +54,14 @@ def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatc
     ce = weighted_ce(p, logits)
     p_t = target_distribution(p, batch, head)
     tv = (logits.softmax(-1) - p_t).abs().sum(-1)  # [B, A, γ] = 2·total variation
-    wsum = p.weight.sum().clamp(min=1e-6)
-    l1 = (tv * p.weight).sum() / wsum
+    l1 = masked_mean(tv, p.weight, 1e-6)
     accept = (1 - 0.5 * tv).clamp(0, 1)
     loss = ce_alpha * ce + l1_alpha * l1
     metrics: dict[str, Any] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
     conf_logits = model.confidence_logits(p.hidden, p.prev)
     if conf_logits is not None:
-        bce = (F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none") * p.weight).sum() / wsum
+        bce = masked_mean(F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none"), p.weight,
+                          1e-6)
         loss = loss + conf_alpha * bce
         metrics["bce"] = float(bce.detach())
     full = p.valid.all(-1)  # blocks whose every position has a label: calibration data

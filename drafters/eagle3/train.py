@@ -43,18 +43,14 @@ from specdec.draft_vocab import token_counts
 from specdec.data.store import StoreNeeds
 from specdec.target import Target
 from specdec.training.data import Batch, FeatureSeq, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, draw_anchors, head_rows
 
 __all__ = ["sample_anchors", "TTTResult", "ttt_loss", "Eagle3Options", "Eagle3Recipe"]
 
 
 def sample_anchors(seq: FeatureSeq, n: int, gen: torch.Generator) -> Tensor:
     """Up to ``n`` distinct anchors whose first prediction is a response token, sorted. [A]"""
-    lo, hi = max(0, seq.response_start - 2), seq.tokens.numel() - 2  # slot a needs t_{a+1}
-    if hi < lo:
-        return torch.zeros(0, dtype=torch.long, device=gen.device)
-    pick = torch.randperm(hi - lo + 1, generator=gen, device=gen.device)[:n]  # on the generator's device
-    return (pick + lo).sort().values
+    return draw_anchors(max(0, seq.response_start - 2), seq.tokens.numel() - 2, n, gen)  # slot a needs t_{a+1}
 
 
 @dataclass

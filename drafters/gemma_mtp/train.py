@@ -29,7 +29,7 @@ from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layer
 from specdec.data.store import StoreNeeds, target_kv
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights
+from specdec.training.recipe import Recipe, StepOutput, batch_anchors, copy_weights, masked_mean
 
 __all__ = ["target_kv", "response_anchors", "unrolled_loss", "GemmaMTPOptions", "GemmaMTPRecipe"]
 
@@ -38,14 +38,9 @@ def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) 
     """Up to ``num`` distinct anchors per row in ``[response_start, length − unroll − 1]`` (every
     unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A],
     on the batch's device (drawn on the generator's)."""
-    B, host = batch.tokens.shape[0], gen.device
-    anchors = torch.ones(B, num, dtype=torch.long, device=host)  # padding anchors: any position with a hidden before it
-    keep = torch.zeros(B, num, dtype=torch.bool, device=host)
-    for b, (start, length) in enumerate(zip(batch.response_start.tolist(), batch.lengths.tolist())):
-        lo, hi = max(1, start), length - unroll - 1
-        pick = (torch.randperm(max(hi - lo + 1, 0), generator=gen, device=host)[:num] + lo).sort().values
-        anchors[b, : pick.numel()], keep[b, : pick.numel()] = pick, True
-    return anchors.to(batch.tokens.device), keep.to(batch.tokens.device)
+    return batch_anchors(batch.response_start, batch.lengths, num, gen,
+                         lambda start, length: (max(1, start), length - unroll - 1),
+                         pad=1, device=batch.tokens.device)  # padding anchors: any position with a hidden before it
 
 
 def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor], batch: Batch, anchors: Tensor, keep: Tensor, unroll: int,
@@ -70,9 +65,8 @@ def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor],
                             shared_kv_states=kv, use_cache=False, output_hidden_states=True).last_hidden_state
         logits = assistant.lm_head(y).float()
         ce = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none").view(label.shape)
-        n = agree.sum().clamp(min=1)
-        total = total + decay ** j * (ce * agree).sum() / n
-        accs.append(float(((logits.argmax(-1) == label) & agree).sum() / n))
+        total = total + decay ** j * masked_mean(ce, agree)
+        accs.append(float(masked_mean((logits.argmax(-1) == label).float(), agree)))
         h, x_tok = assistant.post_projection(y), label
         agree = agree & (tokens.gather(1, (anchors + j + 1).clamp(max=T - 1)) == label)
     return total, accs

@@ -35,7 +35,7 @@ from specdec.drafters.mtp.checkpoint import load_mtp_modules, save_mtp_checkpoin
 from specdec.drafters.mtp.drafter import build_mtp_modules
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows
+from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows, masked_mean
 from specdec.validate import as_int
 
 __all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
@@ -71,16 +71,14 @@ def label_mask(batch: Batch) -> Tensor:
 def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
     """Masked mean cross-entropy and top-1 accuracy of logits [B, n, V] against labels [B, n]."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
-    n = mask.sum().clamp(min=1)
-    return (ce * mask).sum() / n, float(((logits.argmax(-1) == labels) & mask).sum() / n)
+    return masked_mean(ce, mask), float(masked_mean((logits.argmax(-1) == labels).float(), mask))
 
 
 def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, float]:
     """Masked mean forward KL(p ‖ softmax(logits)) over [B, n, V], and how often the two argmaxes
     agree (what greedy verification accepts)."""
     kl = forward_kl(logits, p)
-    n = mask.sum().clamp(min=1)
-    return (kl * mask).sum() / n, float(((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / n)
+    return masked_mean(kl, mask), float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), mask))
 
 
 def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,

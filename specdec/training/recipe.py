@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,7 +22,8 @@ from specdec.data.store import StoreNeeds
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData
 
-__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "forward_kl", "copy_weights"]
+__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "forward_kl", "copy_weights", "draw_anchors",
+           "batch_anchors", "masked_mean"]
 
 Metric = float | list[float]
 
@@ -123,3 +125,32 @@ def copy_weights(model: nn.Module, state: dict[str, Tensor], folder: Path) -> No
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k])
+
+
+def draw_anchors(lo: int, hi: int, n: int, gen: torch.Generator) -> Tensor:
+    """Up to ``n`` distinct positions in ``[lo, hi]``, sorted, drawn on the generator's device (nothing
+    drawn when the range is empty): the anchors every recipe trains its drafts from. [≤ n] int64"""
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long, device=gen.device)
+    return (torch.randperm(hi - lo + 1, generator=gen, device=gen.device)[:n] + lo).sort().values
+
+
+def batch_anchors(response_start: Tensor, lengths: Tensor, n: int, gen: torch.Generator,
+                  span: Callable[[int, int], tuple[int, int]], pad: int = 0,
+                  device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`draw_anchors` for every row of a batch, in the range ``span(response_start, length)``
+    gives it (the recipe's: where a draft has its labels): anchors [B, n] (``pad`` where a row has
+    fewer) and which are real [B, n], on ``device``."""
+    B, host = len(lengths), gen.device
+    anchors = torch.full((B, n), pad, dtype=torch.long, device=host)
+    keep = torch.zeros(B, n, dtype=torch.bool, device=host)
+    for b, (start, length) in enumerate(zip(response_start.tolist(), lengths.tolist())):
+        pick = draw_anchors(*span(start, length), n, gen)
+        anchors[b, : pick.numel()], keep[b, : pick.numel()] = pick, True
+    return anchors.to(device or host), keep.to(device or host)
+
+
+def masked_mean(values: Tensor, weight: Tensor, floor: float = 1.0) -> Tensor:
+    """``Σ values·weight / max(Σ weight, floor)``: every recipe's loss over the positions (or weighted
+    draft slots) it counts; ``weight`` is a mask or per-slot weights of ``values``' shape."""
+    return (values * weight).sum() / weight.sum().clamp(min=floor)
