@@ -9,12 +9,16 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-# The benchmark presets experiments/conf/bench_<name>.yaml (docs/experiments.md): make bench-<name>
-BENCHES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp adaptive suffix
+# The questions, experiments/conf/<question>.yaml (docs/experiments.md): make bench-<question>, dashes for underscores
+BENCHES := ngram-vs-prompt-lookup native-mtp posthoc-mtp eagle3-trees block-drafters dspark-scheduler-batch \
+	assistant-k adaptive-k suffix-repeat drafters-mtbench drafters-humaneval
 # mode: roofline presets (docs/roofline.md): one run each, its own tables and figures
 ROOFLINES := roofline roofline-tiny
+# the questions' former target names, still working
+ALIASES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp adaptive suffix
 
-.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters $(addprefix bench-,$(BENCHES) $(ROOFLINES))
+.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters \
+	$(addprefix bench-,$(BENCHES) $(ROOFLINES) $(ALIASES))
 
 setup: $(VENV)/.installed
 
@@ -43,24 +47,34 @@ test-fast: setup
 test-slow: setup
 	$(VENV)/bin/pytest -q -m slow --durations=5
 
-# One benchmark preset (every job of its sweep), then its report with per-request tables (in multirun/bench_<name>/)
+# One question (every job of its sweep), then its report with per-request tables (in multirun/<question>/)
 $(addprefix bench-,$(BENCHES)): bench-%: setup
-	$(PY) experiments/run.py --config-name bench_$(subst -,_,$*) -m
-	$(PY) experiments/report.py multirun/bench_$(subst -,_,$*) --per-request
+	$(PY) experiments/run.py --config-name $(subst -,_,$*) -m
+	$(PY) experiments/report.py multirun/$(subst -,_,$*) --per-request
 
-# The roofline of the target forward (docs/roofline.md): roofline.md, roofline.json and figures in outputs/bench_<name>/
+bench-ngram: bench-ngram-vs-prompt-lookup
+bench-mtp: bench-native-mtp
+bench-mtp-smollm2: bench-posthoc-mtp
+bench-eagle3: bench-eagle3-trees
+bench-dflash: bench-block-drafters
+bench-dflash-batch: bench-dspark-scheduler-batch
+bench-gemma-mtp: bench-assistant-k
+bench-adaptive: bench-adaptive-k
+bench-suffix: bench-suffix-repeat
+
+# The roofline of the target forward (docs/roofline.md): roofline.md, roofline.json and figures in outputs/<name>/
 $(addprefix bench-,$(ROOFLINES)): bench-%: setup
-	$(PY) experiments/run.py --config-name bench_$(subst -,_,$*)
+	$(PY) experiments/run.py --config-name $(subst -,_,$*)
 
-# The sweep behind docs/results.md, then its figures and report (in multirun/smollm2_ngram_sweep/)
+# The sweep behind docs/results.md, then its figures and report (in multirun/ngram_sweep/)
 sweep-ngram: setup
-	$(PY) experiments/run.py --config-name smollm2_ngram_sweep -m
-	$(PY) experiments/report.py multirun/smollm2_ngram_sweep
+	$(PY) experiments/run.py --config-name ngram_sweep -m
+	$(PY) experiments/report.py multirun/ngram_sweep
 
 # Every drafter with a SmolLM2 checkpoint on the same prompts (docs/results.md, "All drafters on the same prompts")
 sweep-drafters: setup
-	$(PY) experiments/run.py --config-name smollm2_drafters -m progress=false
-	$(PY) experiments/report.py multirun/smollm2_drafters
+	$(PY) experiments/run.py --config-name drafters_mtbench -m progress=false
+	$(PY) experiments/report.py multirun/drafters_mtbench
 
 # The GPU kit (docs/gpu.md): kernels, the loop at Llama-3.1-8B scale, planted (with and without the
 # batch-aware scheduler) and real acceptance, EAGLE-3 training throughput, in
@@ -69,4 +83,4 @@ sweep-drafters: setup
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-bench:
 	@test -n "$(OUT)" || { echo "usage: make gpu-bench OUT=<folder> [DRY_RUN=1]"; exit 2; }
-	$(GPU_PY) experiments/gpu_bench.py --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
+	$(GPU_PY) experiments/bench.py gpu --out "$(OUT)" $(if $(DRY_RUN),--dry-run)

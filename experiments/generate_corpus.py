@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 import specdec
 from specdec.data.corpus import corpus_stats, generate_corpus
+from specdec.timing import now
 
 ROOT = Path(__file__).resolve().parent
 
@@ -35,11 +35,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = specdec.load_target(args.model, dtype=torch.float32)
-    start = time.perf_counter()
+    start = now()
     generate_corpus(target, args.out, args.num_prompts, shard_size=args.shard_size, batch=args.batch,
                     max_new_tokens=args.max_new_tokens, drafter=args.drafter, k=args.k, seed=args.seed)
     stats = corpus_stats(args.out)
-    print(json.dumps({**stats, "seconds_this_run": round(time.perf_counter() - start, 1)}))
+    print(json.dumps({**stats, "seconds_this_run": round(now() - start, 1)}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
-"""Figures and a markdown report for a sweep (a Hydra multirun folder) or a single run folder.
+"""Figures and a markdown report for a sweep (a Hydra multirun folder) or a single run folder, and
+each question's current table for docs/results/ (``--table``).
 
     .venv/bin/python experiments/report.py multirun/<date>/<time> [--out DIR] [--title TEXT] [--per-request]
+    .venv/bin/python experiments/report.py multirun/<question> --table docs/results/<question>.md
+
+``--table`` renders the question's table from its run alone: the question its preset asks, the
+command, git SHA, machine (CPU model, threads, dtype) and date its ``config.json`` recorded, and
+every method of every job (:func:`question_table`); ``docs/results.md`` links those files.
 
 Reads every ``summary.json`` below the folder (with the ``config.json`` beside it) and writes to
 ``--out`` (default: the folder itself):
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import textwrap
 from collections import defaultdict
@@ -40,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 
-__all__ = ["FIGURES", "load_runs", "write_figures", "write_report"]
+__all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -292,13 +299,74 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
     return out / "report.md"
 
 
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+def _question(command: str) -> tuple[str, str]:
+    """The preset a command ran (``--config-name``) and the question its YAML's first comment asks."""
+    m = re.search(r"--config-name[ =](\S+)", command)
+    name = m.group(1) if m else "config"
+    path = CONF / f"{name}.yaml"
+    head = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        if not line.startswith("#") or line.startswith("#   "):
+            break
+        head.append(line.lstrip("# ").rstrip())
+    return name, " ".join(head)
+
+
+def _same(x: dict) -> str:
+    """Requests whose output equals the autoregressive baseline's, of all (- for the baseline)."""
+    same = x.get("identical_to_baseline")
+    return "-" if same is None else f"{same}/{x.get('requests', '?')}"
+
+
+def question_table(folder: Path) -> str:
+    """A question's current table, rendered from its run (a multirun folder or one run folder): what
+    the preset asks, the command, git SHA, machine (CPU model, threads, dtype) and date that
+    ``config.json`` recorded, then one row per method of every job. Nothing is typed by hand."""
+    runs = load_runs(folder)
+    meta = runs[0]["meta"]
+    if "command" not in meta or "machine" not in meta:
+        raise ValueError(f"{folder} was run before runs recorded their command and machine: run it again")
+    name, asks = _question(meta["command"])
+    mach = meta["machine"]
+    shas = sorted({r["meta"].get("git_sha") or "?" for r in runs})
+    dates = sorted({r["meta"].get("date", "?") for r in runs})
+    where = f"{mach['cpu']}" + (f", {mach['gpu']}" if mach.get("gpu") else "")
+    lines = [f"# `{name}`", "", asks, "",
+             f"- command: `{meta['command']}`",
+             f"- git: {', '.join(s[:10] for s in shas)}; torch {meta.get('torch')}, transformers {meta.get('transformers')}",
+             f"- machine: {where}, {mach['threads']} thread(s), {mach['dtype']}",
+             f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""),
+             f"- rendered by: `python experiments/report.py {folder} --table <this file>`", "",
+             "| job | dataset | T | concurrency | method | k | tok/s | speedup | decode speedup | mean acc. len |"
+             " identical to AR |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(runs, key=lambda r: r["dir"].name):
+        cfg = r["config"]
+        for method, x in r["summary"].items():
+            lines.append(f"| {r['dir'].name.split('_')[0]} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
+                         f" | {x['concurrency']} | {method}{lossy_mark(x)} | {k_label(x)} | {x['tokens_per_s']:.1f}"
+                         f" | {_fmt(x.get('speedup'), '.2f')} | {_fmt(x.get('decode_speedup'), '.2f')}"
+                         f" | {_fmt(x.get('mean_accepted_length'), '.2f')} | {_same(x)} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path, help="a multirun folder (or one run folder)")
     ap.add_argument("--out", type=Path, default=None, help="where figures and report.md go (default: folder)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--per-request", action="store_true", help="also tokens/s and acceptance per request")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="write the question's current table (docs/results/<question>.md) instead of a report")
     args = ap.parse_args()
+    if args.table is not None:
+        args.table.parent.mkdir(parents=True, exist_ok=True)
+        args.table.write_text(question_table(args.folder))
+        print(args.table)
+        return
     print(write_report(args.folder, args.out, args.title, args.per_request))
 
 

@@ -4,8 +4,8 @@
     .venv/bin/python experiments/run.py drafter=ngram num_speculative_tokens=8 dataset=humaneval
     .venv/bin/python experiments/run.py -m num_speculative_tokens=2,4,8 concurrency=1,2,4,8
     .venv/bin/python experiments/run.py target=tiny dataset=random dataset.num_prompts=4   # seconds
-    .venv/bin/python experiments/run.py --config-name bench_eagle3 -m       # a preset: conf/<preset>.yaml
-    .venv/bin/python experiments/run.py --config-name bench_roofline        # mode: roofline (docs/roofline.md)
+    .venv/bin/python experiments/run.py --config-name eagle3_trees -m       # a preset: conf/<preset>.yaml
+    .venv/bin/python experiments/run.py --config-name roofline        # mode: roofline (docs/roofline.md)
 
 Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
 ``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose

@@ -4,20 +4,20 @@ Verifying k + 1 tokens multiplies every weight of the target by a few rows. On a
 float32 product reaches different kernels depending on how it is asked for, and which is faster
 over a given number of rows depends on the CPU (docs/roofline.md):
 
-- ``"linear"``: ``F.linear`` (``x @ Wᵀ``), the layer's own forward. On an Intel Xeon with AMX it is
-  flat up to 3 rows and jumps by half at the fourth (MKL changes kernel).
-- ``"mm"``: ``(W @ xᵀ)ᵀ``, another kernel of the same BLAS: 0.55–0.87x ``F.linear`` over 2–5 rows on
-  an AMD EPYC, twice it on the Xeon. Considered up to :data:`MM_ROWS` rows (slower past them on
-  both). One row is padded with a zero row to two (a GEMV may run on one thread).
+- ``"linear"``: ``F.linear`` (``x @ Wᵀ``), the layer's own forward. On some CPUs it is flat over a
+  few rows and then jumps where the BLAS changes kernel.
+- ``"mm"``: ``(W @ xᵀ)ᵀ``, another kernel of the same BLAS: faster than ``F.linear`` over a few rows
+  on some CPUs, slower on others. Considered up to :data:`MM_ROWS` rows. One row is padded with a
+  zero row to two (a GEMV may run on one thread).
 - ``"packed"``: oneDNN's inner product on a copy of the weight in its blocked layout (what
-  inductor's CPU freezing and vLLM's CPU backend prepack). On the Xeon a pass over SmolLM2's linear
-  layers at 5 rows costs 1.37x ``F.linear``'s one-row pass this way against 1.76x with ``F.linear``;
-  one row costs a third more than ``F.linear``'s, so it is taken only where it wins. The copy is a
+  inductor's CPU freezing and vLLM's CPU backend prepack): cheaper per extra row on CPUs with AMX,
+  dearer for one row, so it is taken only where it wins. The measured products per row count are
+  the step-anatomy and roofline tables (docs/roofline.md, with their commands). The copy is a
   second set of those weights in memory (the originals stay: the one-row forward, a tied
   embedding, transformers' own calls and training read them), so packing is bounded: only the
   layers :func:`pack_layers` picks within a **budget**, a share of the model's float32 linear
   weight bytes (:func:`set_pack_budget`; a :class:`~specdec.target.Target` sets :data:`PACK_BUDGET`
-  unless told another; a model never given one packs every layer), hold a copy, the largest first (the packed op's fixed cost per call, about five
+  unless told another; a model never given one packs every layer), hold a copy, the largest first (the packed op's fixed cost per call, several
   times ``F.linear``'s, is what a small layer cannot win back); the others keep ``F.linear`` inside
   a "packed" pass, and the pass is measured that way. The copies are made at the first
   measurement and dropped again if no row count takes them.

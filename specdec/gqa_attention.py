@@ -3,14 +3,13 @@
 Verifying a block of ``m > 1`` tokens against a cache needs a mask (a chain's causal block after
 the context, or a tree's). Given a mask on a CPU, transformers' SDPA attention repeats every key and
 value head to the number of query heads (``repeat_kv``) before calling SDPA: for SmolLM2-135M
-(9 query heads over 3 KV heads) at 4k tokens of context that copies 0.57 GB per forward, more
-than the weights it reads. ``F.scaled_dot_product_attention(..., enable_gqa=True)`` computes the
-same values from the unrepeated heads (a 5-token forward there: 176 → 143 ms; docs/roofline.md).
-Better still, the query heads that share a KV head can be one block of rows over it (``group × m``
-queries, the mask repeated per head): SDPA then reads each KV head once for the whole group and
-multiplies taller blocks, as flash-decoding kernels pack a GQA group. At 4k tokens of context that
-took a 1-token forward of SmolLM2-135M from 92.6 to 85.5 ms and a 5-token one from 139.0 to 126.3
-ms (the roofline's ``library_gqa`` beside ``library``, docs/roofline.md).
+(9 query heads over 3 KV heads) at long contexts that copy is larger than the weights a forward
+reads. ``F.scaled_dot_product_attention(..., enable_gqa=True)`` computes the same values from the
+unrepeated heads. Better still, the query heads that share a KV head can be one block of rows over
+it (``group × m`` queries, the mask repeated per head): SDPA then reads each KV head once for the
+whole group and multiplies taller blocks, as flash-decoding kernels pack a GQA group. What each
+saves is measured by the roofline question (``library_gqa`` beside ``library``; its table and
+command: docs/roofline.md).
 
 :func:`install` wraps the ``"sdpa"`` entry of transformers' attention registry (its public
 ``AttentionInterface``) once per process: inside :func:`grouped` (the target's own forward enters

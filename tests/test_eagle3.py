@@ -426,11 +426,11 @@ def test_a_chain_is_proposed_as_a_chain(target):
 
 
 def test_the_chain_estimate_is_what_decoding_accepts_and_never_above_the_per_position_one(deep_target):
-    """experiments/eagle3_chain_estimate.py on a tiny head: the training-time test's chain figure is
+    """experiments/benchmarks/eagle3_chain_estimate.py on a tiny head: the training-time test's chain figure is
     at most its per-position one and falls with depth; both are shares of the same anchors."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("chain_estimate", ROOT / "experiments" / "eagle3_chain_estimate.py")
+    spec = importlib.util.spec_from_file_location("chain_estimate", ROOT / "experiments" / "benchmarks" / "eagle3_chain_estimate.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     d = Eagle3Drafter.tiny(deep_target, layer_ids=default_layer_ids(8), init_scale=0.05)

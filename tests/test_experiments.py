@@ -34,7 +34,7 @@ CONF = EXP / "conf"
 GROUPS = ("target", "drafter", "verifier", "dataset", "sampling")
 TINY_RUN = ["target=tiny", "dataset=random", "dataset.num_prompts=3", "dataset.input_len=10", "dataset.output_len=12",
             "progress=false"]
-# A preset on the tiny target: random prompts, greedy, a few tokens (target.model: bench_mtp names a folder)
+# A preset on the tiny target: random prompts, greedy, a few tokens (target.model: native_mtp names a folder)
 TINY_PRESET = ["target=tiny", "target.model=tiny", "dataset=random", "dataset.num_prompts=2", "dataset.input_len=8",
                "dataset.output_len=5", "sampling=greedy", "progress=false", "warmup=false"]
 PRESETS = sorted(p.stem for p in CONF.glob("*.yaml") if p.stem != "config")
@@ -106,30 +106,30 @@ def _preset_runs(preset: str) -> list[RunConfig]:
 
 
 def test_every_preset_and_every_value_of_its_sweep_converts_to_a_run_config(hydra_conf):
-    assert {"bench_ngram", "bench_mtp", "bench_mtp_smollm2", "bench_eagle3", "bench_dflash", "bench_dflash_batch",
-            "bench_gemma_mtp", "bench_adaptive", "bench_suffix", "smollm2_ngram_sweep", "smollm2_drafters"} <= set(PRESETS)
+    assert {"ngram_vs_prompt_lookup", "native_mtp", "posthoc_mtp", "eagle3_trees", "block_drafters", "dspark_scheduler_batch",
+            "assistant_k", "adaptive_k", "suffix_repeat", "ngram_sweep", "drafters_mtbench"} <= set(PRESETS)
     runs = {preset: _preset_runs(preset) for preset in PRESETS}
-    assert len(runs["bench_dflash"]) == 1 + 4 and len(runs["smollm2_drafters"]) == 1 + 2
-    assert len(runs["bench_ngram"]) == 1
+    assert len(runs["block_drafters"]) == 1 + 4 and len(runs["drafters_mtbench"]) == 1 + 2
+    assert len(runs["ngram_vs_prompt_lookup"]) == 1
     for preset, configs in runs.items():
         for run in configs:
             assert isinstance(run, RunConfig) and run.speculative_methods(), preset
-    assert {d.name for r in runs["smollm2_drafters"] for d, *_ in r.speculative_methods().values()} == {
+    assert {d.name for r in runs["drafters_mtbench"] for d, *_ in r.speculative_methods().values()} == {
         "ngram", "suffix", "mtp", "gemma_mtp", "eagle3", "dflash", "dspark"}
-    run = entry.to_run_config(compose(config_name="bench_dflash_batch", overrides=["concurrency=16"]))
+    run = entry.to_run_config(compose(config_name="dspark_scheduler_batch", overrides=["concurrency=16"]))
     assert run.dataset.num_prompts == 16  # one batch per job
-    adaptive = runs["bench_adaptive"]
+    adaptive = runs["adaptive_k"]
     assert [r.dataset.name for r in adaptive[1:]] == ["copy", "mtbench"]
     assert {n: (m.drafter.name, m.k, m.policy) for n, m in adaptive[0].speculative_methods().items()} == {
         **{f"{d} k={k}": (d, k, "fixed") for d in ("ngram",) for k in (1, 2, 4, 8)},
         "ngram_adaptive": ("ngram", 8, "adaptive"),
         **{f"{d} k={k}": (d, k, "fixed") for d in ("suffix",) for k in (1, 2, 4, 8)},
         "suffix_adaptive": ("suffix", 8, "adaptive")}
-    suffix = runs["bench_suffix"]
+    suffix = runs["suffix_repeat"]
     assert [r.dataset.name for r in suffix[1:]] == ["humaneval", "mtbench"] and suffix[0].dataset.repeats == 2
     assert list(suffix[0].speculative_methods()) == ["ngram", "suffix"] and suffix[0].hf_compare == [
         "generate", "prompt_lookup"]
-    run = entry.to_run_config(compose(config_name="bench_eagle3", overrides=["sampling.temperature=0.7"]))
+    run = entry.to_run_config(compose(config_name="eagle3_trees", overrides=["sampling.temperature=0.7"]))
     assert run.sampling.temperature == 0.7 and run.dataset.turns == 1 and list(run.speculative_methods()) == [
         "chain k=3", "chain k=5", "chain k=7", "static_tree", "dynamic_tree16", "dynamic_tree32"]
 
@@ -159,8 +159,6 @@ def test_docs_list_every_preset_and_drafter_config_with_its_command():
         assert f"--config-name {preset}" in doc, preset
     for drafter in _options("drafter"):
         assert f"`drafter={drafter}`" in doc, drafter
-    for script in ("bench_ngram", "bench_mtp", "bench_eagle3", "bench_dflash", "bench_gemma_mtp"):
-        assert not (EXP / f"{script}.py").exists()  # the scripts became presets
 
 
 def test_overrides_are_typed_and_unknown_keys_fail(hydra_conf):
@@ -335,9 +333,9 @@ def test_transformers_dflash_runs_the_same_dflash_weights(target):
 
 def test_transformers_use_mtp_runs_the_same_mtp_checkpoint(hydra_conf, monkeypatch):
     """Side by side with generate(use_mtp=True) on the committed tiny DeepSeek-V3 with 2 MTP modules:
-    the bench_mtp preset on its own target and held-out code, cut down."""
+    the native_mtp preset on its own target and held-out code, cut down."""
     monkeypatch.chdir(ROOT)  # the preset names the checkpoint relative to the repository root
-    cfg = entry.to_run_config(compose(config_name="bench_mtp", overrides=[
+    cfg = entry.to_run_config(compose(config_name="native_mtp", overrides=[
         "dataset.num_prompts=2", "dataset.output_len=12", "hf_compare=[generate,mtp]", "~methods.last",
         "~methods.tree_top3", "methods.cycle.k=[2]", "progress=false"]))
     res = run_experiment(cfg)
@@ -482,12 +480,12 @@ def test_second_turns_follow_the_methods_own_answer():
 
 
 def test_acceptance_script_measures_a_presets_methods_on_held_out_prompts_only(target):
-    """experiments/acceptance.py: a row per method and k with its acceptance per depth, outputs equal
+    """experiments/benchmarks/acceptance.py: a row per method and k with its acceptance per depth, outputs equal
     to autoregressive decoding's; only the held-out MT-bench questions are accepted as prompts."""
-    acc = _load("specdec_experiments_acceptance", EXP / "acceptance.py")
-    methods = acc.preset_methods("smollm2_longer")
-    assert {d for d, _ in methods.values()} == {"eagle3", "mtp", "gemma_mtp", "dflash", "dspark"}
-    assert methods["mtp_part2"][1]["draft_vocab"] == 8192
+    acc = _load("specdec_experiments_acceptance", EXP / "benchmarks" / "acceptance.py")
+    methods = acc.preset_methods("drafters_mtbench")
+    assert {d for d, _ in methods.values()} == {"ngram", "suffix", "eagle3", "mtp", "gemma_mtp", "dflash", "dspark"}
+    assert methods["mtp"][1] == {"checkpoint": "smollm2-135m-mtp", "chain_hidden": "normed"}
     prompts = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2, 9, 9, 2, 9, 9, 2]]
     rows = acc.acceptance(target, {"ngram": ("ngram", {}), "suffix": ("suffix", {})}, prompts, [1, 3], 10)
     assert [(r["method"], r["k"]) for r in rows] == [("ngram", 1), ("ngram", 3), ("suffix", 1), ("suffix", 3)]

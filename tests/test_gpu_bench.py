@@ -1,4 +1,4 @@
-"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of experiments/gpu_bench.py."""
+"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of experiments/bench.py gpu."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_planted_all_or_nothing():
 @pytest.mark.slow  # ~45 s on one CPU core
 def test_dry_run_writes_every_file(tmp_path):
     """`make gpu-bench DRY_RUN=1`'s command: every section runs on CPU and says what it measured."""
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "gpu_bench.py"), "--dry-run", "--out",
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "gpu", "--dry-run", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads((tmp_path / "env.json").read_text())

@@ -106,3 +106,31 @@ def test_predicted_markers_are_visible_and_in_the_legend(figures):
         assert p.get_markerfacecolor() == "none" and p.get_markeredgewidth() >= 1.5  # hollow: the measured shows through
         assert p.get_visible() and (p.get_alpha() or 1.0) == 1.0 and p.get_zorder() > m.get_zorder()
     assert "predicted (acceptance, costs)" in ax.get_legend_handles_labels()[1]
+
+
+def test_a_questions_table_is_rendered_from_its_run_with_its_provenance(tmp_path):
+    """docs/results/<question>.md: the command, git SHA, machine and date come from the run's
+    config.json, the rows from its summary.json; a run that did not record them is refused."""
+    import json
+
+    job = tmp_path / "0_concurrency=1"
+    job.mkdir()
+    meta = {"config": {"concurrency": 1, "num_speculative_tokens": 8, "drafter": {"name": "ngram"},
+                       "dataset": {"name": "copy"}, "sampling": {"temperature": 0.0}},
+            "command": "python experiments/run.py --config-name ngram_vs_prompt_lookup -m",
+            "git_sha": "0123456789abcdef", "torch": "2.13.0", "transformers": "5.0",
+            "machine": {"cpu": "Some CPU", "gpu": None, "threads": 1, "dtype": "float32"}, "date": "2026-12-02 03:00 UTC"}
+    summary = {"ar": {"concurrency": 1, "tokens_per_s": 16.0, "mean_accepted_length": 1.0, "lossless": True},
+               "spec": {"concurrency": 1, "k": 8, "tokens_per_s": 27.5, "speedup": 1.72, "decode_speedup": 1.8,
+                        "mean_accepted_length": 3.2, "identical_to_baseline": 6, "requests": 6, "lossless": True}}
+    (job / "config.json").write_text(json.dumps(meta))
+    (job / "summary.json").write_text(json.dumps(summary))
+    table = report.question_table(tmp_path)
+    assert table.startswith("# `ngram_vs_prompt_lookup`") and "prompt lookup" in table  # the preset's own question
+    for part in ("`python experiments/run.py --config-name ngram_vs_prompt_lookup -m`", "0123456789", "Some CPU",
+                 "1 thread(s), float32", "2026-12-02 03:00 UTC", "| 0 | copy | 0 | 1 | spec | 8 | 27.5 | 1.72 | 1.80 | 3.20 | 6/6 |"):
+        assert part in table, part
+    del meta["machine"]
+    (job / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="run it again"):
+        report.question_table(tmp_path)

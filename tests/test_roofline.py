@@ -99,9 +99,9 @@ def test_the_roofline_config_refuses_what_it_cannot_measure():
 
 
 def test_the_tiny_preset_writes_every_field_table_and_figure(tmp_path):
-    """bench_roofline_tiny through experiments/run.py, as a user runs it."""
+    """roofline_tiny through experiments/run.py, as a user runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "experiments/run.py", "--config-name", "bench_roofline_tiny",
+    proc = subprocess.run([sys.executable, "experiments/run.py", "--config-name", "roofline_tiny",
                            f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

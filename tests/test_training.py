@@ -576,7 +576,7 @@ def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path)
 def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "experiments" / "learning_curves.py")
+    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "experiments" / "benchmarks" / "learning_curves.py")
     curves = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(curves)
     assert curves.mal([0.5, 0.5, 0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)

@@ -95,7 +95,7 @@ class DSparkDrafter(BlockDrafter):
         B = s.anchors.shape[0]
         if self.policy is None:
             return DSparkState(s.anchors, s.pending, s.cache)
-        return DSparkState(s.anchors, s.pending, s.cache, self.policy.start(B), torch.arange(B))
+        return DSparkState(s.anchors, s.pending, s.cache, self.policy.start(B), torch.arange(B, device="cpu"))
 
     def select_rows(self, state: DSparkState, rows: Tensor) -> None:
         super().select_rows(state, rows)

@@ -1,4 +1,4 @@
-"""Copy-heavy prompts: the ``copy`` dataset of :mod:`specdec.data.datasets` (the ``bench_ngram`` preset).
+"""Copy-heavy prompts: the ``copy`` dataset of :mod:`specdec.data.datasets` (the ``ngram_vs_prompt_lookup`` preset).
 
 Each prompt hands the model code or prose that a good answer mostly copies back: rename a
 variable, add a docstring, swap prints for logging, fix one line, quote-and-summarise, or

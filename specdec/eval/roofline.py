@@ -2,7 +2,7 @@
 to the time its bytes and FLOPs need, for this library's target and for plain transformers, and what
 context length does to step time, memory and speculative speedups. ``mode: roofline`` of the runner:
 
-    .venv/bin/python experiments/run.py --config-name bench_roofline     (docs/roofline.md)
+    .venv/bin/python experiments/run.py --config-name roofline     (docs/roofline.md)
 
 What it measures (the grid is :class:`~specdec.eval.config.RooflineConfig`; every time is the best of
 ``reps``, which drops one-off costs and the noise of a shared machine):

@@ -436,12 +436,21 @@ def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, in
 # output files
 
 def write_config(cfg: RunConfig, out: Path) -> None:
-    """``config.json``: what ran (the config, git SHA, versions, torch threads), in every run folder."""
+    """``config.json``: what ran (the config, the command, git SHA, versions, the machine: CPU model,
+    torch threads, dtype, and the date), in every run folder: what a results table is rendered with."""
     out.mkdir(parents=True, exist_ok=True)
+    import time
+
     import transformers
 
-    meta = {"config": asdict(cfg), "git_sha": git_sha(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
+    from specdec.few_rows import cpu_model
+    from specdec.provenance import command_line
+
+    gpu = torch.cuda.get_device_name() if cfg.target.device_map and torch.cuda.is_available() else None
+    meta = {"config": asdict(cfg), "command": command_line(), "git_sha": git_sha(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+            "machine": {"cpu": cpu_model(), "gpu": gpu, "threads": torch.get_num_threads(), "dtype": cfg.target.dtype},
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     (out / "config.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
 

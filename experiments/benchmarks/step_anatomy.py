@@ -1,7 +1,7 @@
 """Where one target forward over m new tokens spends its time, and what each fp32 product costs per row count.
 
-    .venv/bin/python experiments/step_anatomy.py                     # SmolLM2-135M, one thread
-    .venv/bin/python experiments/step_anatomy.py --context 4096 --new-tokens 1 5 9
+    .venv/bin/python experiments/bench.py step_anatomy                     # SmolLM2-135M, one thread
+    .venv/bin/python experiments/bench.py step_anatomy --context 4096 --new-tokens 1 5 9
 
 Two tables (markdown, on stdout; ``--out`` also writes them with the raw numbers as JSON):
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch.profiler import profile
 
 import specdec
+from specdec.timing import measure
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise")
 
@@ -37,13 +37,12 @@ def products(weights: list[torch.Tensor], row_counts: list[int], reps: int) -> d
     """ms of one pass over ``weights`` per row count, for each product."""
     def timed(fn: Callable[[int, torch.Tensor], torch.Tensor], rows: int) -> float:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
+
+        def one_pass() -> None:
             for i, w in enumerate(weights):
                 fn(i, xs[w.shape[1]])
-            best = min(best, time.perf_counter() - start)
-        return best * 1e3
+
+        return measure(one_pass, reps, warmup=0).min * 1e3  # best of reps
 
     out = {"F.linear": [timed(lambda i, x: F.linear(x, weights[i]), m) for m in row_counts],
            "(W @ xT)T": [timed(lambda i, x: (weights[i] @ x.T).T, m) for m in row_counts]}
@@ -71,13 +70,7 @@ def anatomy(target, context: int, m: int, reps: int) -> dict[str, float]:
         session.cache.compact()
         session.cache.refresh_dense()
 
-    for _ in range(3):
-        step()
-    walls = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - start)
+    walls = measure(step, reps, warmup=3).samples
     with profile() as prof:
         for _ in range(reps):
             step()

@@ -1,6 +1,6 @@
 """An EAGLE-3 head's training-time-test estimate against what decoding accepts, on the same text.
 
-    .venv/bin/python experiments/eagle3_chain_estimate.py experiments/checkpoints/smollm2-135m-eagle3
+    .venv/bin/python experiments/bench.py eagle3_chain_estimate experiments/checkpoints/smollm2-135m-eagle3
 
 The target answers held-out MT-bench first turns greedily; the head then drafts chains of ``k``
 through the library's loop (what decoding accepts per depth), and the training-time test scores

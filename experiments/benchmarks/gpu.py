@@ -39,7 +39,7 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    output identical to autoregressive decoding, acceptance, speedup. Every timed run follows the
    same run untimed (kernel compiles and autotuning land there).
 5. **train**: tokens/s of the EAGLE-3 recipe (``experiments/conf/train/smollm2_eagle3.yaml`` with
-   ``experiments/learning_curves.py``'s options) through the one trainer, on the committed corpus
+   ``experiments/bench.py learning_curves``'s options) through the one trainer, on the committed corpus
    (``experiments/data/smollm2-135m``, prompts cut to 64 tokens), 350 steps of 32 sequences: 10x
    the 1 120 sequences of the CPU learning-curve runs. SmolLM2-135M's weights cannot travel to the
    GPU machine (no offline model package there, and they exceed the 64 MiB checkout), so the
@@ -105,22 +105,24 @@ from pathlib import Path
 from typing import Any
 
 # the budget counts from here, before torch's import and the CUDA start-up: those are spent too
-# (the standard-library imports above take milliseconds)
+# (the standard-library imports above take milliseconds); specdec.timing's clock, read before the
+# source tree is importable (tests/test_layout.py allows this one line)
 STARTED = time.perf_counter()
 
 if "--dry-run" in sys.argv:  # the interpreter must be chosen before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("specdec") is None:  # a bare checkout on the GPU machine: nothing installed
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench_kernels import make_inputs  # noqa: E402  (experiments/ is this script's folder)
+from benchmarks.kernels import make_inputs  # noqa: E402  (experiments/ is the command's folder)
 from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
                              triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
+from specdec.timing import measure, now  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
 CHECKPOINT = ROOT / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
@@ -130,27 +132,14 @@ CORPUS = ROOT / "experiments" / "data" / "smollm2-135m"
 # ------------------------------------------------------------------------------------------------
 # measuring
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def median_s(fn: Callable[[], Any], device: str, repeats: int = 3) -> float:
-    """Median seconds of ``fn()``: ``do_bench`` (CUDA events, cache flushed) on a GPU, else a
-    ``perf_counter`` loop after one warm-up."""
+    """Median seconds of ``fn()``: ``do_bench`` (CUDA events, cache flushed) on a GPU, else
+    :func:`specdec.timing.measure` after one warm-up."""
     if device == "cuda" and triton_available():
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=5, rep=20, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return measure(fn, repeats, warmup=1, device=device).median
 
 
 class Budget:
@@ -161,7 +150,7 @@ class Budget:
         self.t0, self.seconds, self.skipped = t0, seconds, []
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
+        return now() - self.t0  # the clock STARTED read
 
     def allows(self, name: str, estimate_s: float) -> bool:
         if self.elapsed() + estimate_s <= self.seconds:
@@ -352,18 +341,13 @@ def forward_times(target, device: str, B: int, context: int, ms: tuple[int, ...]
     times: dict[int, float] = {}
     for m in ms:
         tokens = torch.randint(0, target.vocab_size, (B, m), generator=g).to(target.device)
-        samples = []
-        for i in range(reps + 1):  # the first is a warm-up
-            sync(device)
-            t0 = time.perf_counter()
-            target.forward(session, tokens)
-            sync(device)
-            if i:
-                samples.append(time.perf_counter() - t0)
+
+        def drop(m: int = m) -> None:
             target.commit(session, torch.zeros(B, m, dtype=torch.bool, device=target.device))
             session.cache.compact()  # drop the block again: every forward sees the same context,
             session.cache.refresh_dense()  # unmasked like plain decoding (a mask makes SDPA repeat KV heads)
-        times[m] = sorted(samples)[len(samples) // 2]
+
+        times[m] = measure(lambda: target.forward(session, tokens), reps, warmup=1, device=device, after=drop).median
     return times
 
 
@@ -481,7 +465,7 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
     return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
 
 
-def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+def native_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     """The committed tiny DeepSeek-V3 with its MTP modules: real, learned acceptance."""
     from specdec.api import load_target
     from specdec.drafters.mtp.drafter import MTPDrafter
@@ -513,7 +497,7 @@ def bench_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 # 5. training throughput
 
 TRAIN_LABEL = "training throughput only: the target has SmolLM2-135M's shape but random weights"
-# The CPU recipe it scales: experiments/learning_curves.py's defaults (the committed corpus, 384
+# The CPU recipe it scales: experiments/bench.py learning_curves's defaults (the committed corpus, 384
 # sequences, prompts cut to 64 tokens, 280 steps of 4 sequences = 1 120 sequences drawn).
 CPU_SEQUENCES = 280 * 4
 TRAIN = {"dry": dict(batch=2, steps=4, first=2, use=24, eval=4, max_len=96),
@@ -555,7 +539,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 
     import yaml  # a dependency of transformers
 
-    from learning_curves import OPTIONS  # noqa: E402  (experiments/ is this script's folder)
+    from benchmarks.learning_curves import OPTIONS  # noqa: E402  (experiments/ is the command's folder)
     from specdec.training.config import DataConfig, OptimConfig, TrainConfig
 
     t = TRAIN["dry" if dry else "real"]
@@ -773,13 +757,13 @@ def main() -> None:
         error is recorded (and printed) and the next section still runs."""
         if not (name in sections if wanted is None else wanted):
             return
-        t0 = time.perf_counter()
+        t0 = now()
         try:
             results[name] = fn()
         except Exception as e:  # noqa: BLE001  (minutes on a lent GPU: one broken section must not cost the rest)
             results["errors"][name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
             print(results["errors"][name]["traceback"], file=sys.stderr)
-        results["section_s"][name] = round(time.perf_counter() - t0, 2)
+        results["section_s"][name] = round(now() - t0, 2)
         print(f"{name}: {results['section_s'][name]} s")
         write()
 
@@ -810,7 +794,7 @@ def main() -> None:
             target = None
             if device == "cuda":
                 torch.cuda.empty_cache()
-    section("mtp", lambda: bench_mtp(device, args.dry_run, budget))
+    section("mtp", lambda: native_mtp(device, args.dry_run, budget))
     if "train" in sections and budget.allows("train", 15.0 if args.dry_run else 60.0):
         section("train", lambda: bench_train(device, args.dry_run, budget))
     try:

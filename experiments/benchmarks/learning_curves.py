@@ -1,7 +1,7 @@
 """Learning curves of every learned drafter at equal data and equal compute, with the one trainer.
 
-    .venv/bin/python experiments/learning_curves.py run                 # train each family (resumes)
-    .venv/bin/python experiments/learning_curves.py report --out docs/learning_curves
+    .venv/bin/python experiments/bench.py learning_curves run                 # train each family (resumes)
+    .venv/bin/python experiments/bench.py learning_curves report --out docs/learning_curves
 
 ``run`` trains each family's recipe (``experiments/conf/train/smollm2_<family>.yaml``) on the same
 data (the committed corpus, its first ``--use`` sequences, prompts cut to their last ``--max-prompt``
@@ -11,7 +11,7 @@ command, recorded in its ``training.json``; a finished family is skipped and an 
 resumes from its state. ``report`` reads those records and writes the curves (held-out acceptance
 at position 1 and the chain mean accepted length it implies at k = 4, against training response
 tokens and against wall time) as JSON, a markdown table and a figure. With ``--decoded`` (the
-runner's sweep folder of ``experiments/conf/smollm2_curves_decode.yaml``: the finished checkpoints
+runner's sweep folder of ``experiments/conf/learning_curves_decode.yaml``: the finished checkpoints
 decoded, greedy and at T = 1) it adds their measured acceptance and accepted length.
 
 The held-out figures are each recipe's own estimate (:meth:`Recipe.loss` on held-out corpus
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
 # per-family options that keep the checkpoints small (docs/results.md, "Size budget")
 OPTIONS = {"eagle3": ["options.draft_vocab=4096"], "dflash": ["options.layers=1"],
@@ -154,7 +154,7 @@ def decoded_table(found: list[dict]) -> str:
         rows.append(f"| {r['temperature']:g} | {r['method']} | {r['mean_accepted_length']:.2f} | "
                     f"{' '.join(f'{a:.2f}' for a in r['acceptance_at'])} | {r['speedup']:.2f}x | {same} |")
     return ("Decoded (the finished checkpoints, held-out MT-bench first turns; "
-            "`python experiments/run.py --config-name smollm2_curves_decode -m progress=false`):\n\n"
+            "`python experiments/run.py --config-name learning_curves_decode -m progress=false`):\n\n"
             + "\n".join(rows) + "\n")
 
 
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--runs", default="outputs/curves", help="run folders, relative to the repository root")
     ap.add_argument("--out", default="docs/learning_curves", help="report path without suffix")
-    ap.add_argument("--decoded", default=None, help="the checkpoints' decoding sweep folder (smollm2_curves_decode)")
+    ap.add_argument("--decoded", default=None, help="the checkpoints' decoding sweep folder (learning_curves_decode)")
     args = ap.parse_args()
     args.families = tuple(args.families)
     run(args) if args.action == "run" else report(args)

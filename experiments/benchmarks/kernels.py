@@ -7,20 +7,19 @@ float32s) over the time. That is what the torch reference reads; the kernel read
 drafts are rejected early, so its figure is an effective bandwidth. Prints a markdown table and the
 backend, GPU, arch and autotune winner that ran.
 
-    .venv/bin/python experiments/bench_kernels.py            # on a GPU
-    TRITON_INTERPRET=1 .venv/bin/python experiments/bench_kernels.py --smoke   # CPU, tiny shapes
+    .venv/bin/python experiments/bench.py kernels            # on a GPU
+    TRITON_INTERPRET=1 .venv/bin/python experiments/bench.py kernels --smoke   # CPU, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from specdec.kernels import platform, rejection_sample, triton_available, use_backend
 from specdec.kernels.dispatch import interpreting
+from specdec.timing import measure
 from specdec.types import chain_parents
 
 
@@ -49,17 +48,7 @@ def make_inputs(B: int, k: int, V: int, device: str, mode: str, seed: int = 0, t
 
 def timed(fn, repeats: int, device: str) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up (and autotuning)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return measure(fn, repeats, warmup=1, device=device).median
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Print the vLLM and SGLang settings that serve an EAGLE-3 checkpoint the way specdec drafts with it.
 
-    .venv/bin/python experiments/eagle3_serving.py experiments/checkpoints/smollm2-135m-eagle3 --k 5
-    .venv/bin/python experiments/eagle3_serving.py <folder> --tree static --k 4 \
+    .venv/bin/python experiments/bench.py eagle3_serving experiments/checkpoints/smollm2-135m-eagle3 --k 5
+    .venv/bin/python experiments/bench.py eagle3_serving <folder> --tree static --k 4 \
         --static-tree "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
-    .venv/bin/python experiments/eagle3_serving.py <folder> --tree dynamic --k 5 --top-k 4 --budget 16
+    .venv/bin/python experiments/bench.py eagle3_serving <folder> --tree dynamic --k 5 --top-k 4 --budget 16
 
 The folder must hold a speculators-format checkpoint (what ``save_eagle3`` and
 the EAGLE-3 recipe of ``experiments/train.py`` write); the verifier it names is the target to serve.

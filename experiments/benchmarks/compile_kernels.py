@@ -7,8 +7,8 @@ interpreter has run is at least known to type-check, lower and assemble for the 
 for, with the AMD knobs (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) accepted by the
 HIP backend. Nothing is executed. Run from anywhere but the repository root:
 
-    .venv/bin/python experiments/compile_kernels.py                  # everything (a few minutes)
-    .venv/bin/python experiments/compile_kernels.py --quick          # one config and the widest variant
+    .venv/bin/python experiments/bench.py compile_kernels                  # everything (a few minutes)
+    .venv/bin/python experiments/bench.py compile_kernels --quick          # one config and the widest variant
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler
 
@@ -30,6 +29,7 @@ from specdec.kernels.markov_triton import _markov_kernel  # noqa: E402
 from specdec.kernels.norm_concat_linear_triton import _norm_concat_linear_kernel  # noqa: E402
 from specdec.kernels.rejection_triton import _rejection_kernel  # noqa: E402
 from specdec.kernels.tuning import fits_markov_tile, gemm_configs, markov_configs, row_configs  # noqa: E402
+from specdec.timing import now  # noqa: E402
 
 TARGETS = {"cuda": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64),
            "gfx950": GPUTarget("hip", "gfx950", 64)}
@@ -85,7 +85,7 @@ def main() -> int:
     print(f"triton {triton.__version__}; compiling, not running (no GPU is needed)")
     failures = 0
     for arch in args.targets:
-        t0, count = time.time(), 0
+        t0, count = now(), 0
         for name, fn, types, constexprs, configs in kernels(arch, args.quick):
             for config in configs:
                 try:
@@ -95,7 +95,7 @@ def main() -> int:
                 except Exception as e:  # report every failure, then fail
                     failures += 1
                     print(f"FAIL {arch} {name} {constexprs} {config}: {e!r}"[:2000], flush=True)
-        print(f"{arch}: {count} kernel binaries in {time.time() - t0:.0f} s", flush=True)
+        print(f"{arch}: {count} kernel binaries in {now() - t0:.0f} s", flush=True)
     print("all compiled" if not failures else f"{failures} failed")
     return 1 if failures else 0
 

@@ -1,6 +1,6 @@
 """Rank the target's tokens by how often it writes them in the corpus: a token map (specdec.draft_vocab).
 
-    python experiments/token_map.py                 # experiments/data/smollm2-135m/token_map.safetensors
+    python experiments/bench.py token_map                 # experiments/data/smollm2-135m/token_map.safetensors
 
 Counts the response tokens of the corpus's training sequences (the one held-out rule, as training
 splits them), writes the ids that occur, most frequent first, and prints what the first N cover of
@@ -21,7 +21,7 @@ from safetensors import safe_open
 from specdec.draft_vocab import coverage, rank_tokens, save_token_map
 from specdec.data.corpus import corpus_token_counts
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # experiments/
 SIZES = (1024, 2048, 4096, 8192, 16384)
 
 

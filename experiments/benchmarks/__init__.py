@@ -1,0 +1,17 @@
+"""Measurements that are not a decoding question of the runner, one module each, run through one
+thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for each).
+
+- ``acceptance``: a preset's learned drafters' acceptance alone on held-out prompts, no clock.
+- ``step_anatomy``: where one target forward spends its time; each fp32 product per row count.
+- ``kernels``: the rejection-sampler kernel against its torch reference.
+- ``compile_kernels``: every Triton kernel compiled for real GPU targets, no GPU needed.
+- ``gpu``: the GPU kit (``make gpu-bench``, docs/gpu.md).
+- ``learning_curves``: every learned drafter trained at equal data and compute, and its curves.
+- ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
+- ``eagle3_chain_estimate``: an EAGLE-3 head's training-time estimate against decoding.
+- ``eagle3_serving``: the vLLM / SGLang settings that serve an EAGLE-3 checkpoint.
+
+Every timing goes through :mod:`specdec.timing`. The decoding questions themselves (which drafter,
+which k, which context) are presets of the one runner, ``experiments/run.py --config-name
+<question>`` (docs/experiments.md); their tables are rendered by ``experiments/report.py``.
+"""
