@@ -212,3 +212,11 @@ def test_a_run_in_parts_reads_new_store_sequences_and_every_held_out_one(tiny_ta
     assert [s.store_index for s in data.held] == held
     with pytest.raises(ValueError, match="needs data.store"):
         DataConfig(skip=3)
+
+
+def test_curve_parts_are_consecutive_store_ranges_ending_at_each_point():
+    from specdec.training.curves import parts
+
+    lengths, held = [10, 10, 10, 10, 10, 10, 10], [False, True, False, False, False, False, False]
+    assert parts(lengths, held, [15, 30, 100]) == [(0, 3, 20), (3, 1, 10)]  # the held-out row counts no tokens
+    assert parts(lengths, held, [60]) == [(0, 7, 60)] and parts(lengths, held, [61]) == []
