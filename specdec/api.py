@@ -115,6 +115,24 @@ def _encode(target: Target, prompt: str | list[int], chat: bool) -> list[int]:
     return encode_messages(target, [{"role": "user", "content": prompt}], chat)
 
 
+_SAMPLING_WORDS = ("temperature", "top_k", "top_p", "seed", "do_sample")
+
+
+def _check_sampling_options(drafter: Drafter | str | None, options: dict[str, Any]) -> None:
+    """Sampling settings passed as keywords (``temperature=0.7``) are refused with the argument that
+    takes them, unless the named drafter has an option of that name; drafter options without a
+    drafter named are refused too (they would be ignored)."""
+    own = set(drafter_class(drafter).option_names() or ()) if isinstance(drafter, str) else set()
+    misplaced = [w for w in _SAMPLING_WORDS if w in options and w not in own]
+    if misplaced:
+        given = ", ".join(f"{w}={options[w]!r}" for w in misplaced if w != "do_sample")
+        raise ValueError(f"generate() takes sampling settings as sampling=specdec.SamplingParams({given}),"
+                         f" not as keywords ({', '.join(misplaced)}); temperature=0 (the default) is greedy")
+    if options and not isinstance(drafter, str):
+        raise ValueError(f"drafter options {sorted(options)} need a drafter given by name (drafter='ngram', ...);"
+                         " a built drafter already has its options")
+
+
 def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter: Drafter | str | None = None,
              k: int = 4, verifier: Verifier | str = "rejection",
              sampling: SamplingParams | list[SamplingParams] | None = None, max_new_tokens: int = 64,
@@ -127,8 +145,11 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
     watching (:func:`specdec.loop.interactive`: a terminal, not pytest or CI); True or False forces it.
     ``policy="adaptive"`` verifies, per row and step, only as many of the (up to ``k``) drafts as
     pay (:mod:`specdec.policy`); None verifies every proposed node. ``timed`` synchronises the
-    device at every phase boundary (an exact time split on a GPU).
+    device at every phase boundary (an exact time split on a GPU). Sampling is
+    ``sampling=SamplingParams(temperature=..., top_k=..., top_p=..., seed=...)`` (one for the batch or
+    one per prompt); ``temperature=`` as a keyword is refused with that pointer.
     """
+    _check_sampling_options(drafter, drafter_options)
     prompts = as_prompt_batch(prompts)
     policy = make_policy(policy)
     if isinstance(drafter, str):
