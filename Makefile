@@ -39,13 +39,14 @@ demo: setup
 # no test fails (pytest exits 5).
 test: test-fast test-slow
 
-# Unit tests and the conformance suite on tiny random targets.
+# Unit tests and the conformance suite on tiny random targets. pytest's default output: one line per
+# test file as it runs, with the share done; then the 15 slowest tests.
 test-fast: setup
-	$(VENV)/bin/pytest -q -m "not slow" --durations=5
+	$(VENV)/bin/pytest -m "not slow" --durations=15
 
 # The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints.
 test-slow: setup
-	$(VENV)/bin/pytest -q -m slow --durations=5
+	$(VENV)/bin/pytest -m slow --durations=15
 
 # One question (every job of its sweep), then its report with per-request tables (in multirun/<question>/)
 $(addprefix bench-,$(BENCHES)): bench-%: setup
