@@ -89,7 +89,8 @@ def test_a_store_round_trips_what_the_target_computes(tiny_target, tmp_path):
         torch.testing.assert_close(final, online_final)  # the store's pass is the target's own forward
         row = StoredRow(tiny_target, store, i)
         got_hidden, got_final = row.features(tokens, needs.layers)
-        assert got_final.dtype == torch.bfloat16
+        assert got_final.dtype == tiny_target.dtype  # bf16-rounded rows, in the target's dtype
+        assert torch.equal(got_final, got_final.bfloat16().to(tiny_target.dtype))
         torch.testing.assert_close(got_final.float(), final, rtol=1e-2, atol=1e-2)
         for j in needs.layers:
             torch.testing.assert_close(got_hidden[j].float(), online_hidden[j], rtol=1e-2, atol=1e-2)

@@ -220,10 +220,12 @@ class StoredRow:
             raise ValueError("a stored row answers for its own sequence only (one row, the stored tokens)")
 
     def _read(self, name: str) -> Tensor:
-        return self._store.rows(self._index, name).to(self._target.device).unsqueeze(0)
+        """Rows of ``name`` as the target would have computed them: on its device, in its dtype (a bf16
+        store gives bf16-rounded values), so its head applies to them as to its own output."""
+        return self._store.rows(self._index, name).to(self._target.device, self._target.dtype).unsqueeze(0)
 
     def features(self, tokens: Tensor, layer_inputs: list[int] | tuple[int, ...] = ()) -> tuple[dict[int, Tensor], Tensor]:
-        """What :meth:`Target.features` returns, read from the store (in the store's dtype)."""
+        """What :meth:`Target.features` returns, read from the store."""
         self._check(tokens)
         missing = sorted(set(layer_inputs) - set(self._store.layers))
         if missing:
