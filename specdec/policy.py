@@ -23,9 +23,11 @@ fits). ``s_{r,d}`` is the probability that row ``r`` accepts ``d`` or more draft
 Trees are cut by levels: a row keeps the leading nodes of depth ≤ d. Costs are a
 :class:`StepCosts` table (profiled) or, by default, :class:`MeasuredCosts`: the loop's own timings
 of each step, where a block size never measured is assumed as cheap as the data allow (so the
-policy tries it once and learns). When drafting cannot pay, the policy verifies nothing (``w = 0``,
-plain decoding; the draft pass is still paid, as the policy decides after it) and re-probes the
-whole draft after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
+policy tries it once and learns). When drafting cannot pay (plain decoding, which skips the draft pass, expects
+more tokens per second than the best width with it), the policy verifies nothing (``w = 0``; that
+step's draft pass was paid, as the policy decides after it), skips the draft pass from the next
+step on (:meth:`AdaptivePolicy.skip`: the drafter only observes) and re-probes the whole draft
+after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
 
 :class:`PrefixPolicy` is DSpark's prefix scheduler (below :func:`schedule`): a chain's confidences
 admitted draft by draft under one budget for the batch, and a draft pass skipped altogether
@@ -125,9 +127,12 @@ class MeasuredCosts:
         self.verify_s: dict[int, float] = {}  # block tokens -> seconds
         self.draft_s: dict[int, float] = {}  # rows -> seconds
 
-    def record(self, rows: int, tokens: int, draft_s: float, verify_s: float) -> None:
+    def record(self, rows: int, tokens: int, draft_s: float | None, verify_s: float) -> None:
+        """One step's times; ``draft_s`` None when the step drafted nothing (its draft time is not
+        a draft pass's)."""
         for table, key, x in ((self.verify_s, tokens, verify_s), (self.draft_s, rows, draft_s)):
-            table[key] = x if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * x
+            if x is not None:
+                table[key] = x if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * x
 
     def verify(self, tokens: float) -> float:
         return self._lookup(self.verify_s, tokens)
@@ -147,13 +152,14 @@ class MeasuredCosts:
         return _interp([float(v) for v in xs], [table[v] for v in xs], x)
 
 
-def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
+def best_lengths(survival: Tensor, levels: Tensor, costs: Costs, draft_optional: bool = False) -> Tensor:
     """Nodes each row verifies to maximise expected tokens per second of a rectangular block.
 
     ``survival`` [B, K]: P(the row accepts ``d`` or more drafts), d = 1..K, non-increasing.
     ``levels`` [B, K + 1]: nodes a row verifies when it keeps the draft's depths ≤ d (``levels[:, 0]
     = 0``, non-decreasing; a chain's is ``min(d, num_valid)``). Returns [B] in ``[0, levels[:, -1]]``;
-    among equal throughputs, the fewest tokens.
+    among equal throughputs, the fewest tokens. ``draft_optional``: verifying nothing also saves the
+    draft pass (a policy that then skips it, :meth:`DraftPolicy.skip`), so width 0 costs no draft.
     """
     B, K = survival.shape
     levels = levels.long()
@@ -169,7 +175,10 @@ def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
     block = kept.max(1).values  # [n+1] the block width actually needed
     step = torch.tensor([costs.verify(B * (1 + int(w))) for w in block.tolist()], dtype=torch.float64,
                         device=tau.device)
-    theta = tau / (step + costs.draft(B)).clamp(min=1e-12)
+    draft = torch.full_like(step, costs.draft(B))
+    if draft_optional:
+        draft[0] = 0.0  # width 0 verifies no node of any row (kept[0] is all zeros)
+    theta = tau / (step + draft).clamp(min=1e-12)
     best = int(torch.nonzero(theta >= theta.max() * (1 - 1e-12))[0])
     return kept[best]
 
@@ -177,9 +186,16 @@ def best_lengths(survival: Tensor, levels: Tensor, costs: Costs) -> Tensor:
 class DraftPolicy(ABC):
     """Decides, per row and per step, how many of the proposed nodes to verify. It sees the
     proposal and may only lower ``num_valid``; its state spans one run of the loop (per request),
-    anything it keeps on itself spans every run it is handed to."""
+    anything it keeps on itself spans every run it is handed to.
+
+    ``couples_rows``: a row's choice may depend on the other rows of its batch or on timings (one
+    block width, shared statistics, measured costs, a batch-wide skip). The loop then leaves seeded
+    sampled rows their whole draft and never skips a draft pass they are in, so a seed pins a row's
+    tokens whatever its batch; under the ``coupled`` verifier, whose tokens no choice can move, the
+    policy decides for them too."""
 
     name: ClassVar[str]
+    couples_rows: ClassVar[bool] = True
 
     @abstractmethod
     def start(self, batch: int, k: int) -> Any:
@@ -205,8 +221,9 @@ class DraftPolicy(ABC):
 class _RunState:
     tested: Tensor  # [R, K] decayed count of steps a request's depth-d draft was reached (depth d-1 accepted)
     accepted: Tensor  # [R, K] ... and accepted
-    idle: int = 0  # consecutive steps that had drafts and verified none
+    idle: int = 0  # consecutive steps that had drafts and verified none, or skipped the draft pass
     probe_gap: int = 0  # idle steps before the next probe
+    off: bool = False  # the last choice was plain decoding: the draft pass is skipped until a probe
 
 
 class AdaptivePolicy(DraftPolicy):
@@ -246,15 +263,28 @@ class AdaptivePolicy(DraftPolicy):
             c = self._calibrated(conf)[:, :K]
         else:
             c = self._acceptance(state, requests)[:, :K]
-        lengths = best_lengths(c.cumprod(1), levels, self.costs)
+        lengths = best_lengths(c.cumprod(1), levels, self.costs, draft_optional=True)
         if int(lengths.max()) == 0 and int(levels[:, -1].max()) > 0:  # drafting does not pay: probe now and then
             state.idle += 1
+            state.off = self.costs.draft(proposal.tokens.shape[0]) > 0  # skipping a free draft pass saves nothing
             if state.idle >= state.probe_gap:
                 state.idle, state.probe_gap = 0, min(2 * state.probe_gap, self.max_probe_gap)
                 lengths = levels[:, -1]
         elif int(lengths.max()) > 0:
-            state.idle, state.probe_gap = 0, self.probe_every
+            state.idle, state.probe_gap, state.off = 0, self.probe_every, False
         return torch.minimum(lengths.to(proposal.num_valid.device), proposal.num_valid)
+
+    def skip(self, state: _RunState, k: int, requests: Tensor) -> bool:
+        """Once drafting does not pay (the last choice verified nothing), the draft pass is skipped
+        too, each skipped step counting towards the next probe: at a probe the drafter drafts
+        again and :meth:`choose` verifies the whole draft, to learn whether it pays now."""
+        if not state.off:
+            return False
+        state.idle += 1
+        if state.idle >= state.probe_gap:
+            state.idle -= 1  # choose() counts the probe step itself
+            return False
+        return True
 
     @staticmethod
     def _levels(proposal: DraftProposal) -> tuple[Tensor, Tensor, int]:
@@ -308,8 +338,8 @@ class AdaptivePolicy(DraftPolicy):
                 draft_s: float, verify_s: float) -> None:
         assert proposal.num_valid is not None
         B = proposal.tokens.shape[0]
-        if isinstance(self.costs, MeasuredCosts):
-            self.costs.record(B, B * (1 + proposal.n), draft_s, verify_s)
+        if isinstance(self.costs, MeasuredCosts):  # a step without drafts (skipped) says nothing of a draft pass
+            self.costs.record(B, B * (1 + proposal.n), draft_s if proposal.n else None, verify_s)
         if proposal.n == 0:
             return
         depth, _, K = self._levels(proposal)

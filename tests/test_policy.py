@@ -14,6 +14,7 @@ import specdec
 from specdec.loop import Request, run
 from specdec.policy import AdaptivePolicy, MeasuredCosts, StepCosts, best_lengths, make_policy
 from specdec.testing import assert_greedy_equivalent, greedy_reference
+from specdec.testing.planted import PlantedDrafter
 from specdec.types import DraftProposal
 from specdec.verifiers import GreedyVerifier
 
@@ -190,3 +191,52 @@ def test_policy_names_and_errors(target):
     out = specdec.generate(target, [[1, 2, 3]], drafter="ngram", policy="adaptive", max_new_tokens=4)
     assert out.summary.policy == "adaptive" and len(out.tokens[0]) == 4
     assert specdec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=2).summary.policy is None
+
+
+# --- switching speculation off (issue 34) -------------------------------------------------------
+class _SlowPlanted(PlantedDrafter):
+    """A planted drafter (acceptance ``p`` per position) whose draft pass sleeps: drafting that is
+    accurate but too slow to pay."""
+
+    def __init__(self, *args, sleep_s: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sleep_s, self.proposals = sleep_s, 0
+
+    def propose(self, state, k, rows):
+        import time
+
+        self.proposals += 1
+        time.sleep(self.sleep_s)
+        return super().propose(state, k, rows)
+
+
+def test_when_costs_say_drafting_cannot_pay_the_draft_pass_is_skipped(target):
+    """A draft pass ten verify steps long cannot pay at acceptance 0.9 and k = 4 (about 4 tokens a
+    step): the policy verifies nothing after the first step and skips the draft pass itself but
+    for probes; the output is plain decoding's. A free draft pass is used every step."""
+    prompt, new = [1, 2, 3, 4], 40
+    plain = run(target, None, GreedyVerifier(), [Request(prompt, new)], eos_token_ids=set())
+    slow = _SlowPlanted(0.9)
+    slow.bind(target)
+    res = run(target, slow, GreedyVerifier(), [Request(prompt, new)], k=4, eos_token_ids=set(),
+              policy=AdaptivePolicy(costs=_costs(per_token=0.0, fixed=1.0, draft=10.0), probe_every=4))
+    assert res.requests[0].tokens == plain.requests[0].tokens
+    steps = res.requests[0].metrics.steps
+    assert slow.proposals <= 5 and steps >= 5 * slow.proposals  # the first step and probes at gaps 4, 8, 16
+    free = _SlowPlanted(0.9)
+    free.bind(target)
+    res = run(target, free, GreedyVerifier(), [Request(prompt, new)], k=4, eos_token_ids=set(),
+              policy=AdaptivePolicy(costs=_costs(per_token=0.0, fixed=1.0, draft=0.0)))
+    assert res.requests[0].tokens == plain.requests[0].tokens and free.proposals == res.requests[0].metrics.steps
+
+
+def test_a_slow_drafter_is_switched_off_by_the_costs_the_loop_measures(target):
+    """The same with no cost table: the loop's own timings show a draft pass (sleeping 0.3 s) far
+    longer than a tiny target's step, so the adaptive policy soon stops drafting."""
+    prompt, new = [1, 2, 3, 4], 30
+    slow = _SlowPlanted(0.9, sleep_s=0.3)
+    slow.bind(target)
+    res = run(target, slow, GreedyVerifier(), [Request(prompt, new)], k=4, eos_token_ids=set(), policy="adaptive")
+    plain = run(target, None, GreedyVerifier(), [Request(prompt, new)], eos_token_ids=set())
+    assert res.requests[0].tokens == plain.requests[0].tokens
+    assert slow.proposals <= res.requests[0].metrics.steps / 3
