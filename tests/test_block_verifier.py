@@ -28,7 +28,7 @@ from specdec.sampling import RowSampling, SamplingParams
 from specdec.testing import chi_square
 from specdec.types import DraftProposal
 from specdec.verifiers import BlockVerifier, RejectionVerifier
-from specdec.verifiers.block import block_residual, block_thresholds
+from specdec.verifiers.block import block_residual, block_thresholds, expected_accepted
 
 Dist = dict[tuple[int, ...], torch.Tensor]  # prefix -> next-token distribution [V] (float64)
 
@@ -285,3 +285,52 @@ def test_a_chain_given_by_parents_is_verified_as_a_block():
     verifier = BlockVerifier()
     verifier.verify(plain, logits, sampling)
     assert verifier.tree_fallback_steps == 0
+
+
+@pytest.mark.parametrize("case", ["paper", "random"])
+def test_expected_accepted_is_the_enumerated_expectation(case):
+    """The paired measurement's per-draft expectations, averaged over the drafts, are the exact ones."""
+    V, k = (2, 2) if case == "paper" else (4, 3)
+    p, q = paper_models() if case == "paper" else (random_model(V, k, 5, scale=1.0), random_model(V, k, 55, scale=1.0))
+    xs = list(drafts(q, p, V, k))
+    toks = torch.tensor([x for x, _ in xs])
+    probs = torch.stack([torch.stack([p[x[:i]] for i in range(k + 1)]) for x, _ in xs])
+    qs = torch.stack([torch.stack([q[x[:i]] for i in range(k)]) for x, _ in xs])
+    weight = torch.tensor([w for _, w in xs], dtype=torch.float64)
+    block, token_wise = expected_accepted(toks, torch.full((len(xs),), k), probs, qs)
+    assert float((weight * block).sum()) == pytest.approx(block_law(p, q, V, k)[0], abs=1e-12)
+    assert float((weight * token_wise).sum()) == pytest.approx(rejection_expected(p, q, V, k), abs=1e-12)
+
+
+def test_the_verifier_sums_the_paired_expectations_of_its_sampled_rows():
+    p, q = paper_models()
+    proposal, logits, sampling = sampled_step(p, q, 2, 2, 500, seed=4)
+    verifier = BlockVerifier(compare=True)
+    verifier.verify(proposal, logits, sampling)
+    c = verifier.compared
+    assert c["rows"] == 500 and c["block"] > c["token_wise"] > 0
+    block, token_wise = expected_accepted(proposal.tokens, proposal.num_valid, logits.softmax(-1), proposal.q)
+    assert c["block"] == pytest.approx(float(block.sum()), rel=1e-5)
+
+
+def test_the_acceptance_bench_compares_block_with_rejection_on_the_same_drafts(target):
+    """experiments/benchmarks/acceptance.py --temperature 1 --compare-block: every row carries both
+    verifiers' expected accepted lengths on the drafts of its steps (block's never tree-fallen)."""
+    import importlib.util
+    from pathlib import Path
+
+    from specdec.testing.tiny import tiny_model
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "acceptance.py"
+    spec = importlib.util.spec_from_file_location("specdec_experiments_acceptance_block", path)
+    acc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acc)
+    draft = tiny_model("llama", vocab_size=target.vocab_size, init_scale=0.3, seed=5)  # q differs from p
+    prompts = [[3, 5, 7, 3, 5, 7, 3, 5], [9, 9, 2, 9, 9, 2, 9, 9, 2], [1, 2, 3]]
+    rows = acc.acceptance(target, {"draft": ("draft_model", {"model": draft}), "ngram": ("ngram", {})}, prompts, [3],
+                          12, temperature=1.0, compare_block=True)
+    assert [r["method"] for r in rows] == ["draft", "ngram"]
+    for r in rows:
+        assert r["identical"] is None and r["tree_fallback_steps"] == 0 and r["compared_rows"] >= len(prompts)
+        assert 1.0 <= r["expected_token_wise"] <= r["k"] + 1 and 1.0 <= r["expected_block"] <= r["k"] + 1
+    assert "| draft | draft_model | 3 |" in acc.markdown(rows, "header")

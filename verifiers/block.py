@@ -58,7 +58,7 @@ from specdec.verifier import Verifier
 from specdec.verifiers.greedy import greedy_walk
 from specdec.verifiers.rejection import RejectionVerifier
 
-__all__ = ["BlockVerifier", "block_thresholds", "block_residual", "block_sample"]
+__all__ = ["BlockVerifier", "block_thresholds", "block_residual", "block_sample", "expected_accepted"]
 
 
 def block_thresholds(tokens: Tensor, num_valid: Tensor, probs: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -129,6 +129,26 @@ def block_sample(tokens: Tensor, num_valid: Tensor, probs: Tensor, q: Tensor | N
     return tau, race(block_residual(tau, num_valid, tokens, probs, q, w).float(), noise)
 
 
+def expected_accepted(tokens: Tensor, num_valid: Tensor, probs: Tensor, q: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Exact expected accepted lengths of one step on these drafts (no random numbers drawn): under
+    block verification ``Σ_i i·h_i·Π_{j>i}(1 − h_j)``, and under token-wise verification
+    ``Σ_i Π_{j≤i} min(1, M_b(X_j)/M_s(X_j))``, each row's first ``num_valid`` nodes. Comparing
+    the two on the same drafts removes the verifiers' own sampling noise. ([B], [B])"""
+    n = tokens.shape[1]
+    _, h = block_thresholds(tokens, num_valid, probs, q)
+    later_fail = torch.flip(torch.cumprod(torch.flip(1 - h, [1]), 1), [1])  # Π_{j≥i}(1 − h_j)  [B, n]
+    after = torch.cat([later_fail[:, 1:], torch.ones_like(h[:, :1])], 1)  # Π_{j>i}(1 − h_j)
+    idx = torch.arange(1, n + 1, device=probs.device, dtype=h.dtype)
+    block = (idx * h * after).sum(1)
+    x = tokens.unsqueeze(-1)
+    mb_x = probs[:, :n].gather(-1, x).squeeze(-1)
+    ms_x = torch.ones_like(mb_x) if q is None else q.to(probs.dtype).gather(-1, x).squeeze(-1)
+    ratio = (mb_x / ms_x.clamp(min=torch.finfo(probs.dtype).tiny)).clamp(max=1.0)
+    valid = torch.arange(n, device=probs.device).unsqueeze(0) < num_valid.to(probs.device).unsqueeze(1)
+    token_wise = torch.cumprod(torch.where(valid, ratio, torch.zeros_like(ratio)), 1).sum(1)
+    return block, token_wise
+
+
 def _verification(tokens: Tensor, tau: Tensor, final: Tensor) -> Verification:
     """The first ``tau`` drafts of each chain followed by ``final``."""
     B, n = tokens.shape
@@ -141,12 +161,19 @@ def _verification(tokens: Tensor, tau: Tensor, final: Tensor) -> Verification:
 
 
 class BlockVerifier(Verifier):
+    """``compare=True`` also sums, over every sampled row of every chain step, the exact expected
+    accepted lengths of block and of token-wise verification on that step's drafts
+    (:func:`expected_accepted`) into ``compared = {"rows", "block", "token_wise"}``: the paired
+    measurement of experiments/benchmarks/acceptance.py. It reads the device once more per step."""
+
     name = "block"
     lossless = True
 
-    def __init__(self) -> None:
+    def __init__(self, compare: bool = False) -> None:
         self.tree_fallback_steps = 0  # steps handed to token-wise verification because the draft was a tree
         self._token_wise = RejectionVerifier()
+        self.compare = compare
+        self.compared = {"rows": 0, "block": 0.0, "token_wise": 0.0}
 
     def verify(self, proposal: DraftProposal, logits: Tensor, rows: RowSampling) -> Verification:
         if rows.all_greedy:  # temperature 0 everywhere: the argmax walk, as for rejection
@@ -161,7 +188,14 @@ class BlockVerifier(Verifier):
         u, noise = rows.verify_noise(proposal, logits.shape[-1])
         V = logits.shape[-1]
         tokens = proposal.tokens.clamp(0, V - 1)
-        tau, final = block_sample(tokens, proposal.num_valid, rows.probs(logits), proposal.q, u, noise)
+        probs = rows.probs(logits)
+        tau, final = block_sample(tokens, proposal.num_valid, probs, proposal.q, u, noise)
+        if self.compare:
+            block, token_wise = expected_accepted(tokens, proposal.num_valid, probs, proposal.q)
+            sampled = ~rows.greedy_rows
+            self.compared["rows"] += int(sampled.sum())
+            self.compared["block"] += float(block[sampled].sum())
+            self.compared["token_wise"] += float(token_wise[sampled].sum())
         out = _verification(tokens, tau, final)
         greedy = rows.greedy_rows
         if bool(greedy.any()):  # temperature-0 rows of a mixed batch: the rule's one-hot limit, exactly
