@@ -7,6 +7,7 @@ included), so an import hidden inside a function cannot slip past.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -113,14 +114,15 @@ def test_experiments_holds_the_runner_the_trainer_and_a_few_thin_commands():
         assert ast.get_docstring(ast.parse((EXPERIMENTS / name).read_text())), f"experiments/{name} needs a docstring"
 
 
-def _tracked() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _tracked() -> frozenset[str]:
     import subprocess
 
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         pytest.skip("not a git checkout: which paths are committed is unknown")  # a source tarball
     files = set(out.stdout.splitlines())
-    return files | {str(Path(f).parent) for f in files} | {str(p) for f in files for p in Path(f).parents}
+    return frozenset(files | {str(p) for f in files for p in Path(f).parents})
 
 
 # a value that names a file or folder of this repository (inputs and outputs alike)
