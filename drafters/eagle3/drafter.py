@@ -62,6 +62,7 @@ class Eagle3Config:
     tree_budget: int = 16  # dynamic: draft nodes kept after reranking (EAGLE-2: 59, + the root = 60)
     greedy_draft: bool = False  # argmax drafts (q None) even when sampling
     dtype: str = ""  # the draft's weights and cache: "" the target's; "bfloat16" halves the bytes a draft step reads
+    window: int = 0  # draft attention over the context positions of the last `window` only (0: all); the cache keeps every slot
 
     def __post_init__(self) -> None:
         as_float_dtype("dtype", self.dtype)
@@ -73,6 +74,8 @@ class Eagle3Config:
             raise ValueError(f"tree_budget must be >= 1, got {self.tree_budget}")
         if self.tree == "static":
             parse_tree(self.static_tree)  # raises on a malformed tree
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"window must be an int >= 0 (0: attend to the whole context), got {self.window!r}")
 
 
 @dataclass
@@ -203,23 +206,49 @@ class Eagle3Drafter(Drafter):
     # --- context ------------------------------------------------------------------------------
     @torch.inference_mode()
     def _ingest(self, state: Eagle3State, c: Committed) -> None:
-        """Append one context slot per committed token: (emb(next token), target features)."""
+        """Append one context slot per committed token: (emb(next token), target features).
+
+        A slot's K/V do not depend on attention, and only each row's last slot's output is read
+        (the root of the next draft), so attention and the MLP run for that one query: the
+        prompt's pass costs its projections, not m² attention (the prompt is one block: batched,
+        once, at prefill)."""
         B, m = c.tokens.shape
-        dev, model = self.target.device, self.model
+        dev, model, cache = self.target.device, self.model, state.cache
         idx = torch.arange(m, device=dev).unsqueeze(0)
+        n = c.num_tokens.to(dev)
         nxt = torch.cat([c.tokens[:, 1:], c.tokens[:, :1]], dim=1).to(dev)
-        last = idx == (c.num_tokens.to(dev) - 1).unsqueeze(1)
+        last = idx == (n - 1).unsqueeze(1)
         tokens = torch.where(last, c.next_tokens.to(dev).unsqueeze(1), nxt).clamp(min=0)
         feats = torch.cat([c.hidden[i] for i in model.spec.layer_ids], dim=-1)
         g = model.fuse(feats)
-        plan = state.cache.plan(length=m)  # a chain: no ancestor matrix
+        S = cache.num_slots
+        plan = cache.plan(length=m, implicit_causal=True)  # positions only: no mask is read here
         cos, sin = model.rope(g, plan.position_ids)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
-        keys, values = state.cache.write(0, k, v)
-        allowed = plan.attention_mask[:, 0] == 0  # [B, m, S + m]
-        y = model.layer.finish(attend(q, keys, values, allowed), res)
-        state.cache.commit(idx < c.num_tokens.to(dev).unsqueeze(1))
-        state.root = y.gather(1, (c.num_tokens.to(dev) - 1).clamp(min=0).view(B, 1, 1).expand(-1, 1, y.shape[-1]))[:, 0]
+        keys, values = cache.write(0, k, v)
+        at = (n - 1).clamp(min=0)  # [B] each row's last committed slot in the block
+        q1 = q.gather(2, at.view(B, 1, 1, 1).expand(-1, q.shape[1], 1, q.shape[3]))  # [B, H, 1, hd]
+        res1 = res.gather(1, at.view(B, 1, 1).expand(-1, 1, res.shape[-1]))  # [B, 1, d]
+        allowed = torch.cat([cache.valid, idx <= at.unsqueeze(1)], dim=1)  # [B, S + m]: the slots before it and itself
+        key_pos = torch.cat([cache.slot_pos, plan.position_ids], dim=1)
+        lo, allowed = self._window(allowed, key_pos, plan.position_ids.gather(1, at.unsqueeze(1)))
+        y = model.layer.finish(attend(q1, keys[:, :, lo:], values[:, :, lo:], allowed.unsqueeze(1)), res1)
+        cache.commit(idx < n.unsqueeze(1))
+        state.root = y[:, 0]
+
+    def _window(self, allowed: Tensor, key_pos: Tensor, query_pos: Tensor) -> tuple[int, Tensor]:
+        """The draft's attention window over ``allowed`` [B, S'] keys at ``key_pos`` [B, S'] for a
+        query at ``query_pos`` [B, 1] (every query of one draft forward shares the context slots'
+        window): keys within the last :attr:`Eagle3Config.window` positions, and the first slot
+        any row still reads, so that the slots before it are not even loaded. (0, allowed) when
+        the window is off."""
+        w = self.config.window
+        if not w:
+            return 0, allowed
+        allowed = allowed & (key_pos > query_pos - w)
+        first = torch.where(allowed.any(0), torch.arange(allowed.shape[1], device=allowed.device), allowed.shape[1])
+        lo = min(int(first.min()), max(allowed.shape[1] - 1, 0))
+        return lo, allowed[:, lo:]
 
     def _embed(self, tokens: Tensor) -> Tensor:
         own = self.model.embed_tokens
@@ -247,10 +276,13 @@ class Eagle3Drafter(Drafter):
         cos, sin = model.rope(g, pos)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
         ctx_k, ctx_v = cache.layer(0)
-        keys = torch.cat([ctx_k, *tree.k, k], dim=2)
-        values = torch.cat([ctx_v, *tree.v, v], dim=2)
+        # the context slots a node reads (a window, when set, measured from the draft's first position:
+        # a draft is a few positions long, so every depth of it reads the same context slots)
+        lo, ctx = self._window(cache.valid, cache.slot_pos, pos[:, -1:] - (depth - 1))
+        keys = torch.cat([ctx_k[:, :, lo:], *tree.k, k], dim=2)
+        values = torch.cat([ctx_v[:, :, lo:], *tree.v, v], dim=2)
         eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
-        allowed = torch.cat([cache.valid.unsqueeze(1).expand(B, w, cache.num_slots), anc, eye], dim=-1)
+        allowed = torch.cat([ctx.unsqueeze(1).expand(B, w, ctx.shape[1]), anc, eye], dim=-1)
         y = model.layer.finish(attend(q, keys, values, allowed), res)
         new_rows = torch.cat([anc, eye], dim=-1)  # [B, w, N + w]
         old = tree.anc if N else torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
