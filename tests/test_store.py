@@ -125,7 +125,10 @@ def test_a_store_resumes_and_refuses_another_target_or_other_layers(tiny_target,
     first = FeatureStore(tmp_path / "s")
     assert 40 <= first.num_tokens < sum(s.tokens.numel() for s in seqs)
     shard0 = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))
-    (tmp_path / "s" / "shard-00002.safetensors").unlink(missing_ok=True)
+    whole_so_far = make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=300)
+    (tmp_path / "s" / "shard-00002.safetensors").unlink()  # a process behind the others: shard 3 is on disk, 2 not
+    assert (tmp_path / "s" / "shard-00003.safetensors").is_file() and len(whole_so_far.shards) >= 4
+    assert [s["file"] for s in FeatureStore(tmp_path / "s").shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]
     whole = make_store(tiny_target, tmp_path / "s", seqs, needs)  # resumed: the missing shards are made
     assert whole.num_tokens == sum(s.tokens.numel() for s in seqs)
     again = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))

@@ -145,7 +145,7 @@ class FeatureStore:
             raise StoreMismatch(f"{file}: format {self.manifest.get('format')!r}, this library reads {FORMAT!r}")
         self.layers = tuple(self.manifest["layers"])
         self.kv_layers = tuple(self.manifest["kv_layers"])
-        self.shards = [s for s in self.manifest["shards"] if (self.path / s["file"]).is_file()]
+        self.shards = _finished_shards(self.path)  # the contiguous prefix on disk: another process may be behind
         self._open: dict[int, Any] = {}
         self._index: list[tuple[int, int, int]] = []  # sequence -> (shard, row start, row end)
         self.sequences: list[TokenSeq] = []
@@ -340,7 +340,6 @@ def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out:
         if not file.is_file():
             file.write_text(json.dumps({**spec, "command": command, "shards": [], "tokens": 0, "sequences": 0}, indent=1))
     state.wait_for_everyone()
-    shards: list[dict[str, Any]] = []
     seen, t0, made = 0, now(), 0
     target.model.eval()
     for i, chunk in enumerate(_chunks(iter(items), shard_sequences)):
@@ -352,28 +351,35 @@ def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out:
                 rate = made / max(1e-9, now() - t0)
                 print(f"[store p{state.process_index}] {path.name}: {seen:,} tokens before it, "
                       f"{rate:.0f} tokens/s", file=sys.stderr, flush=True)
-        n = sum(int(c.seq.tokens.numel()) for c in chunk)
-        shards.append({"file": path.name, "sequences": len(chunk), "tokens": n})
-        seen += n
+        seen += sum(int(c.seq.tokens.numel()) for c in chunk)
         if state.is_main_process:
-            _write_manifest(out, shards)
+            _write_manifest(out)
         if max_tokens is not None and seen >= max_tokens:
             break
     state.wait_for_everyone()
     if state.is_main_process:
-        _write_manifest(out, shards)
+        _write_manifest(out)
     state.wait_for_everyone()
     return FeatureStore(out)
 
 
-def _write_manifest(out: Path, shards: list[dict[str, Any]]) -> None:
-    """The manifest with the shards on disk (an interrupted run lists what it finished)."""
+def _finished_shards(out: Path) -> list[dict[str, Any]]:
+    """Shards 0, 1, ... up to the first one not on disk, with their sequence and token counts: a store
+    reads only this prefix, so its sequence order never changes while processes fill it out of order."""
+    found, i = [], 0
+    while (out / _shard_name(i)).is_file():
+        with safe_open(str(out / _shard_name(i)), framework="pt") as f:
+            off = f.get_tensor("offsets")
+        found.append({"file": _shard_name(i), "sequences": int(off.numel() - 1), "tokens": int(off[-1])})
+        i += 1
+    return found
+
+
+def _write_manifest(out: Path) -> None:
+    """The manifest with the contiguous shards on disk (an interrupted run lists what it finished)."""
     file = out / MANIFEST
     man = json.loads(file.read_text())
-    done = [s for s in shards if (out / s["file"]).is_file()]
-    known = {s["file"] for s in done}
-    done += [s for s in man["shards"] if s["file"] not in known and (out / s["file"]).is_file()]
-    done.sort(key=lambda s: s["file"])
+    done = _finished_shards(out)
     man.update(shards=done, tokens=sum(s["tokens"] for s in done), sequences=sum(s["sequences"] for s in done))
     tmp = file.with_suffix(".tmp")
     tmp.write_text(json.dumps(man, indent=1))
