@@ -12,7 +12,11 @@ differ in ``H`` and ``D``, as MLA latents do) preallocated: a run that knows its
 buffers grow in blocks of :attr:`KVStore.block` slots, and so do the per-slot ``valid`` /
 ``slot_pos``: a step writes into the buffers, and only crossing a block boundary reallocates.
 Everything handed out is a view over the used slots; the slots past them are never read, so they
-are left uninitialised.
+are left uninitialised. :attr:`KVStore.nbytes` is what the buffers hold: for the target's store,
+``capacity × layers × (Hk·Dk + Hv·Dv) × dtype bytes`` per row, plus 9 bytes a slot for
+``valid``/``slot_pos`` (SmolLM2-135M in float32: 45 KiB a slot, 330 MiB at a 7.5k-token row,
+what transformers' own cache holds for the same tokens). Nothing is preallocated before the first
+write of a layer, and a run reserves no more than its longest row can reach.
 
 Every method that changes the store runs in inference mode: its buffers are inference tensors,
 updated in place between steps as well as inside the forwards that fill them.
@@ -125,6 +129,12 @@ class KVStore:
         if k is None or v is None:
             raise ValueError(f"layer {i} holds no K/V (it never wrote any)")
         return k[:, :, : self.num_slots], v[:, :, : self.num_slots]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store's buffers hold (at their capacity, used or not)."""
+        bufs = [x for x in (*self._keys, *self._values) if x is not None] + [self._valid, self._slot_pos]
+        return sum(x.nbytes for x in bufs)
 
     @property
     def hole_fraction(self) -> float:

@@ -170,9 +170,12 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     bar.update(sum(len(o) for o in outputs))
     for m in metrics:
         m.ttft_s = m.latency_s = rm.prefill_s
+    # the drafter's pass over the prompt (EAGLE-3 and the block drafters read the target's features
+    # of every prompt token) is prefill: it runs once, as one block over the whole prompt, right after
+    # the target's (it reads that pass's features, so it cannot run inside it); TTFT is the target's
     state = drafter.start(committed, rows) if drafter is not None else None
     chosen = policy.start(B, k) if policy is not None else None
-    rm.draft_s += clock() - t1
+    rm.prefill_s += clock() - t1
     last = first.next_tokens
 
     while True:

@@ -64,7 +64,7 @@ class RunMetrics:
     """Time split of one batched run: where the wall-clock went."""
 
     wall_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # the target's prefill and the drafter's pass over the prompt (its start)
     draft_s: float = 0.0  # drafter propose + observe
     target_s: float = 0.0  # target forward passes (after the prefill)
     verify_s: float = 0.0  # verifier
