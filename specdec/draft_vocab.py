@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from specdec.paths import repo_path
 from specdec.validate import as_int
 
 __all__ = ["token_counts", "rank_tokens", "save_token_map", "read_token_map", "draft_vocabulary", "vocab_positions",
@@ -53,8 +54,9 @@ def save_token_map(path: str | Path, ranked: Tensor, metadata: dict[str, str] | 
 
 
 def read_token_map(path: str | Path) -> Tensor:
-    """The ranked ids of a token map file. [n] int64"""
-    path = Path(path)
+    """The ranked ids of a token map file (a repository path such as ``experiments/data/...`` is found
+    from any working directory: :func:`specdec.paths.repo_path`). [n] int64"""
+    path = repo_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token_map: no file {str(path)!r}")
     with safe_open(str(path), framework="pt") as f:

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -93,23 +97,90 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device_map: str | 
     if not isinstance(name, (str, Path)):
         raise TypeError(f"a model name must be an alias, a folder or a hub id, got {type(name).__name__}")
     name = str(name)
+    local = _local_folder(name)
     if name in ALIASES:
         hub_id = ALIASES[name]["hub"]
         path: str | Path = hub_id if hub_reachable() else _from_gguf(name)
-    elif Path(name).is_dir():
-        path = Path(name)
+    elif local is not None:
+        path = local
         safetensors_files(path)  # refuses a folder of pickled weights here, before transformers sees it
     elif _looks_like_hub_id(name) and hub_reachable():
         path = name
     else:
         raise FileNotFoundError(
-            f"{name!r} is not a local folder, nor one of the aliases {sorted(ALIASES)}"
+            f"{name!r} is not a local folder (from here or the repository root), a committed checkpoint"
+            f" {sorted(committed_checkpoints())}, nor one of the aliases {sorted(ALIASES)}"
             + (", and the hub is unreachable from here (offline), so it cannot be a hub id either"
                if _looks_like_hub_id(name) else ""))
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, use_safetensors=True,
-                                                 trust_remote_code=trust_remote_code)
+    with _expected_load_report(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map, use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code)
     return model.eval(), tok
+
+
+_LAYER_KEY = re.compile(r"^\s*model\.layers\.(\{[\d, ]+\}|\d+)\.\S*\s*\|\s*(\w+)")
+
+
+class _MTPReportFilter(logging.Filter):
+    """Drops transformers' load report when every key it lists is an MTP module's weight (layers
+    ``first`` .. ``first + n - 1``, which transformers' model does not hold), and says why in one line."""
+
+    def __init__(self, folder: str | Path, first: int, n: int):
+        super().__init__()
+        self.folder, self.first, self.n = folder, first, n
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "LOAD REPORT" not in text:
+            return True
+        rows = [line for line in text.splitlines() if "|" in line and not line.lstrip().startswith(("Key", "-"))]
+        mtp = range(self.first, self.first + self.n)
+        for line in rows:
+            m = _LAYER_KEY.match(line)
+            if m is None or m.group(2) != "UNEXPECTED" or any(int(i) not in mtp for i in re.findall(r"\d+", m.group(1))):
+                return True  # something else is wrong: the whole report stays
+        if not rows:
+            return True
+        logging.getLogger("specdec.models").warning(
+            "specdec: %s keeps %d MTP module(s) as layers %d-%d, which transformers' model does not build; the mtp"
+            " drafter reads them from the checkpoint (transformers' report listing them as UNEXPECTED is filtered)",
+            self.folder, self.n, self.first, self.first + self.n - 1)
+        return False
+
+
+@contextmanager
+def _expected_load_report(path: str | Path) -> Iterator[None]:
+    """Within the block, transformers' load report of a checkpoint with DeepSeek-V3 MTP modules
+    (``num_nextn_predict_layers``: their weights sit past the decoder's layers, which transformers
+    reports as unexpected) becomes one line that says why; any other report passes unchanged."""
+    config = Path(path) / "config.json"
+    cfg = json.loads(config.read_text()) if config.is_file() else {}
+    n = int(cfg.get("num_nextn_predict_layers") or 0)
+    if not n:
+        yield
+        return
+    logger = logging.getLogger("transformers.modeling_utils")
+    quiet = _MTPReportFilter(Path(path).name, int(cfg["num_hidden_layers"]), n)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _local_folder(name: str | Path) -> Path | None:
+    """A model folder on this machine: a path from the working directory or the repository root
+    (:func:`specdec.paths.repo_path`), or a committed checkpoint by its folder name, bare or as its
+    repository path (``experiments/checkpoints/<name>``); None when it is none of these."""
+    from specdec.paths import repo_path
+
+    path = repo_path(name)
+    if path.is_dir():
+        return path
+    committed = committed_checkpoints()
+    return committed.get(Path(name).name) if Path(name).name in committed and (
+        len(Path(name).parts) == 1 or Path(name).parent.name == "checkpoints") else None
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -123,9 +194,12 @@ def resolve_checkpoint(name: str | Path) -> Path:
     safetensors and JSON only, when the hub answers). Any other name fails with what was tried."""
     if not isinstance(name, (str, Path)):
         raise TypeError(f"checkpoint must be a folder, a committed checkpoint name or a hub id, got {type(name).__name__}")
-    if Path(name).is_dir() and not _recorded_only(Path(name)):
-        return Path(name)
-    if Path(name).is_dir():  # a recorded but uncommitted checkpoint, named by its folder
+    from specdec.paths import repo_path
+
+    local = repo_path(name)  # from the working directory, else from the repository root
+    if local.is_dir() and not _recorded_only(local):
+        return local
+    if local.is_dir() or Path(name).parent.name == "checkpoints":  # named by its folder or repository path
         name = Path(name).name
     committed = committed_checkpoints()
     if str(name) in committed:
