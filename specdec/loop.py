@@ -45,6 +45,9 @@ class LossyVerifierWarning(UserWarning):
     """A run uses a verifier that does not preserve the target's distribution."""
 
 
+_WARNED_LOSSY: set[str] = set()  # lossy verifiers already warned about in this process: once is enough
+
+
 @dataclass
 class Request:
     prompt: list[int]
@@ -124,9 +127,10 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     validate_requests(target, drafter, requests, k)
     policy = make_policy(policy)
     policy = policy if drafter is not None else None  # plain decoding has nothing to shorten
-    if not verifier.lossless:
-        warnings.warn(f"verifier {verifier.name!r} is lossy: the output is not distributed as the target's",
-                      LossyVerifierWarning, stacklevel=2)
+    if not verifier.lossless and verifier.name not in _WARNED_LOSSY:  # once per process; every summary says so
+        _WARNED_LOSSY.add(verifier.name)
+        warnings.warn(f"verifier {verifier.name!r} is lossy: the output is not distributed as the target's"
+                      " (said once per process; every summary marks its runs lossy)", LossyVerifierWarning, stacklevel=2)
     rows = RowSampling([r.sampling for r in requests], target.device)
     verifier.check(rows)
     show = interactive() if progress is None else progress

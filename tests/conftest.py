@@ -133,6 +133,15 @@ def drafter_case(request, target):
         assert any(bool((p.num_valid > 0).any()) for p in drafter.proposals), "the scheduler never verified a draft"
 
 
+@pytest.fixture(autouse=True)
+def _lossy_warnings_as_in_a_fresh_process():
+    """A lossy verifier warns once per process (specdec.loop); each test starts as a new process would,
+    so a test that expects the warning sees it whatever ran before."""
+    import specdec.loop
+
+    specdec.loop._WARNED_LOSSY.clear()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     unmarked = [i.nodeid for i in items
                 if "smollm2" in getattr(i, "fixturenames", ()) and not i.get_closest_marker("slow")]
