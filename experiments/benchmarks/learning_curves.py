@@ -10,9 +10,10 @@ with held-out figures every ``--eval-every`` steps. Each run is one ``experiment
 command, recorded in its ``training.json``; a finished family is skipped and an interrupted one
 resumes from its state. ``report`` reads those records and writes the curves (held-out acceptance
 at position 1 and the chain mean accepted length it implies at k = 4, against training response
-tokens and against wall time) as JSON, a markdown table and a figure. With ``--decoded`` (the
-runner's sweep folder of ``experiments/conf/learning_curves_decode.yaml``: the finished checkpoints
-decoded, greedy and at T = 1) it adds their measured acceptance and accepted length.
+tokens and against wall time) as JSON, a markdown table and a figure. With ``--decoded`` (a
+runner sweep folder that decoded the finished checkpoints, e.g. ``drafters_mtbench`` with each
+method's ``options.checkpoint=outputs/curves/<family>``) it adds their measured acceptance and
+accepted length.
 
 The held-out figures are each recipe's own estimate (:meth:`Recipe.loss` on held-out corpus
 sequences: the draft's argmax against the target's, per position, given the true prefix), the same
@@ -153,9 +154,8 @@ def decoded_table(found: list[dict]) -> str:
         same = "–" if r["temperature"] else f"{r['identical_to_baseline']}/{r['requests']}"
         rows.append(f"| {r['temperature']:g} | {r['method']} | {r['mean_accepted_length']:.2f} | "
                     f"{' '.join(f'{a:.2f}' for a in r['acceptance_at'])} | {r['speedup']:.2f}x | {same} |")
-    return ("Decoded (the finished checkpoints, held-out MT-bench first turns; "
-            "`python experiments/run.py --config-name learning_curves_decode -m progress=false`):\n\n"
-            + "\n".join(rows) + "\n")
+    return ("Decoded (the finished checkpoints, held-out MT-bench first turns; the runner's sweep given"
+            " as --decoded, whose config.json files record its command):\n\n" + "\n".join(rows) + "\n")
 
 
 def main() -> None:
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--runs", default="outputs/curves", help="run folders, relative to the repository root")
     ap.add_argument("--out", default="docs/learning_curves", help="report path without suffix")
-    ap.add_argument("--decoded", default=None, help="the checkpoints' decoding sweep folder (learning_curves_decode)")
+    ap.add_argument("--decoded", default=None, help="a runner sweep folder that decoded the finished checkpoints")
     args = ap.parse_args()
     args.families = tuple(args.families)
     run(args) if args.action == "run" else report(args)
