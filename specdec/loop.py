@@ -197,12 +197,16 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         nb = len(live)
         ta = clock()
         live_ids = torch.tensor(live, device="cpu") if policy is not None else None  # [nb] request ids (host)
-        skip = policy is not None and policy.skip(chosen, k, live_ids)  # the policy asks for a plain step
+        pinned = _pinned(policy, rows)  # seeded sampled rows the policy must not move, or None
+        skip = policy is not None and policy.skip(chosen, k, live_ids) and pinned is None  # a plain step
         proposal = drafter.propose(state, k, rows) if drafter is not None and not skip else DraftProposal.empty(nb, dev)
         proposal.check_shapes(nb, V)
         bad = proposal.invalid(V)  # read with the step's one synchronisation, below
         if policy is not None:  # before the target runs: it only shortens drafts, so it is lossless
-            proposal = proposal.with_num_valid(policy.choose(chosen, proposal, live_ids))
+            nv = policy.choose(chosen, proposal, live_ids)
+            if pinned is not None:  # a seeded row verifies its whole draft, as it would in any batch
+                nv = torch.where(_upload(pinned, nv.device), proposal.num_valid, nv)
+            proposal = proposal.with_num_valid(nv)
         proposal = _trim(proposal)
         tb = clock()
         n = proposal.n
@@ -261,6 +265,17 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     rm.wall_s = clock(final=True) - t0
     rm.new_tokens = sum(len(o) for o in outputs)
     return RunResult([RequestResult(o, m) for o, m in zip(outputs, metrics)], rm)
+
+
+def _pinned(policy: DraftPolicy | None, rows: RowSampling) -> Tensor | None:
+    """[B] bool host mask of the rows whose tokens a seed must pin but whose draft length
+    ``policy`` would choose from other rows or timings (:attr:`DraftPolicy.couples_rows`): seeded
+    sampled rows, unless the verifier keyed every row's noise by position (``coupled``), where no
+    choice moves a token. None when there is none."""
+    if policy is None or not policy.couples_rows or rows.keyed:
+        return None
+    mask = [p.seed is not None and not p.greedy for p in rows.params]
+    return torch.tensor(mask) if any(mask) else None
 
 
 def _upload(x: Tensor, device: torch.device) -> Tensor:

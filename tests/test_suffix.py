@@ -263,8 +263,9 @@ def test_greedy_is_lossless_with_a_warm_global_tree(target, prompts, k, tree_mod
 
 
 def test_sampling_is_lossless_with_a_shared_global_tree(target):
-    """Thousands of rows draft from each other's outputs: the output is still the target's."""
-    drafter = SuffixDrafter.create(target, max_spec_tokens=6)
+    """Thousands of rows draft from each other's outputs: the output is still the target's (the
+    χ² tool seeds its rows, which draft from the global tree when asked: ``global_for_seeded``)."""
+    drafter = SuffixDrafter.create(target, max_spec_tokens=6, global_for_seeded=True)
     r = sampled_gof(target, drafter, RejectionVerifier(), [1, 2, 3, 4], SamplingParams(temperature=1.0),
                     n_samples=3000)
     assert len(r.pvalues) >= 3
@@ -274,8 +275,9 @@ def test_sampling_is_lossless_with_a_shared_global_tree(target):
 
 # --- the drafter ----------------------------------------------------------------------------------
 def test_proposals_are_deterministic_trees_of_depth_at_most_k(target):
-    rec = Recording(SuffixDrafter.create(target, max_spec_tokens=8))
-    # sampled rows of one prompt: the shared global tree sees several continuations of one context
+    rec = Recording(SuffixDrafter.create(target, max_spec_tokens=8, global_for_seeded=True))
+    # sampled rows of one prompt: the shared global tree (which seeded rows draft from only when
+    # asked) sees several continuations of one context
     reqs = [Request([1, 2, 1, 2, 1, 2, 3], 16, SamplingParams(temperature=1.0, seed=s)) for s in range(16)]
     run(target, rec, RejectionVerifier(), reqs + [Request([5, 5, 5, 5], 16)], k=3, eos_token_ids=set())
     ragged = branched = False

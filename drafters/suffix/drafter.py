@@ -11,8 +11,10 @@ best-scoring draft of both trees is proposed. Deterministic: ``q`` is ``None``.
 
 The global tree makes a row's drafts depend on what other requests produced. That never changes
 the output distribution (a draft is fixed before the row's verification draws its random numbers),
-but it does change which random numbers a sampled row consumes, so sampled outputs are not
-reproducible seed-for-seed across batch compositions or histories; greedy outputs are.
+but it does change which random numbers a sampled row consumes, so a sampled row drafting from it
+is not reproducible seed-for-seed across batch compositions or histories (greedy rows are). So a
+seeded sampled row drafts from its own tree only, unless ``global_for_seeded`` (its output still
+feeds the global tree for the others); the ``coupled`` verifier pins its tokens either way.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class SuffixConfig:
     tree: bool = True  # a frequency-scored tree (the paper); False: the best path only (vLLM's use)
     max_cached_requests: int = 10000  # outputs in the global tree (oldest evicted); 0 = no global tree
     max_cached_tokens: int = 200_000  # tokens in the global tree (oldest outputs evicted); ~0.5 kB each
+    # seeded sampled rows draft from the global tree too: their tokens then depend on what other
+    # requests produced (the distribution does not), so a seed no longer pins them; off by default
+    global_for_seeded: bool = False
 
     def __post_init__(self) -> None:
         ints = {"max_depth": 2, "max_cached_requests": 0, "max_cached_tokens": 1}
@@ -70,8 +75,9 @@ class SuffixConfig:
         object.__setattr__(self, "max_spec_offset", as_float("max_spec_offset", self.max_spec_offset))
         object.__setattr__(self, "min_token_prob",
                            as_float("min_token_prob", self.min_token_prob, minimum=0, maximum=1))
-        if not isinstance(self.tree, bool):
-            raise TypeError(f"tree must be a bool, got {self.tree!r} ({type(self.tree).__name__})")
+        for flag in ("tree", "global_for_seeded"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r} ({type(getattr(self, flag)).__name__})")
         if self.max_spec_factor * (self.max_depth - 1) + self.max_spec_offset < 1:
             raise ValueError(f"max_spec_factor={self.max_spec_factor} and max_spec_offset={self.max_spec_offset}"
                              f" allow no draft token even for the longest match ({self.max_depth - 1} tokens)")
@@ -112,19 +118,21 @@ class SuffixDrafter(Drafter):
             state.append(_Row(local, output))
         return state
 
-    def _speculate(self, row: _Row, k: int) -> Draft:
+    def _speculate(self, row: _Row, k: int, shared: bool = True) -> Draft:
         c = self.config
         args = (row.local.seqs[0][-c.max_depth:], k if c.max_spec_tokens is None else c.max_spec_tokens,
                 c.max_spec_factor, c.max_spec_offset, c.min_token_prob, k, c.tree)
         draft = row.local.speculate(*args)
-        if self.cache is not None:
-            shared = self.cache.tree.speculate(*args)
-            if shared.score > draft.score:  # ties go to the request's own tree, as in Arctic
-                draft = shared
+        if self.cache is not None and shared:
+            other = self.cache.tree.speculate(*args)
+            if other.score > draft.score:  # ties go to the request's own tree, as in Arctic
+                draft = other
         return draft
 
     def propose(self, state: list[_Row], k: int, rows: RowSampling) -> DraftProposal:
-        drafts = [self._speculate(row, k) for row in state]
+        # a seeded sampled row keeps to its own tree (its seed then pins its tokens), unless opted in
+        own = [p.seed is not None and not p.greedy and not self.config.global_for_seeded for p in rows.params]
+        drafts = [self._speculate(row, k, shared=not o) for row, o in zip(state, own)]
         n = max(len(d.tokens) for d in drafts)
         dev = self.target.device
         tokens = padded_ids([d.tokens for d in drafts], n, 0, dev)
