@@ -20,7 +20,8 @@ Reads every ``summary.json`` below the folder (with the ``config.json`` beside i
   overhead).
 
 Readable by construction: a figure with nothing to show is not written (no acceptance figure for
-autoregressive-only jobs); every series has its own colour and marker, and series that share x
+autoregressive-only jobs); a method keeps its colour in every figure of every report (its drafter
+family's hue, a shade per k, a marker per variant: :func:`method_style`), and series that share x
 values sit side by side (a small offset), so a line never hides another; legends sit beside the axes.
 - ``report.md``: the figures, a table of every method of every run, and each run's own tables
   (its ``summary.md``, written by :func:`specdec.eval.runner.summary_markdown`); with
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import textwrap
@@ -47,7 +49,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 
-__all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table"]
+__all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -103,13 +105,39 @@ def _series(runs: list[dict]) -> dict[str, dict[int, dict]]:
     return series
 
 
-# Each series gets its own colour and marker: 11 markers against 10 colours never repeat a pair
-# (for 110 series), so two lines that coincide still show both markers.
+# Colours are fixed per method, the same in every figure and every report: each drafter family has
+# its own hue (a colormap), k its shade (darker for longer drafts), and the variant (the methods key,
+# dataset, temperature, lossy mark) its marker. Autoregressive decoding is black.
 MARKERS = ("o", "s", "D", "^", "v", "P", "X", "<", ">", "*", "h")
+FAMILY_CMAPS = {"ngram": "Blues", "suffix": "Oranges", "draft_model": "Greys", "mtp": "Purples", "gemma_mtp": "RdPu",
+                "eagle3": "Greens", "dflash": "Reds", "dflash2": "YlOrBr", "dspark": "PuBu"}
+_OTHER_CMAPS = ("BuGn", "YlGn", "OrRd", "GnBu", "PuRd")  # a drafter of one's own: picked by its name
 
 
-def _style(i: int) -> dict:
-    return {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)]}
+def method_style(drafter: str | None, k: int | None = None, variant: str = "") -> dict:
+    """The colour and marker of a method, from what it is alone (never from its place in a figure):
+    ``drafter`` picks the hue (:data:`FAMILY_CMAPS`), ``k`` the shade (None: the family's middle
+    shade, for a line across k), ``variant`` the marker."""
+    import zlib
+
+    if drafter is None:
+        return {"color": "black", "marker": MARKERS[zlib.crc32(variant.encode()) % len(MARKERS)]}
+    cmap = FAMILY_CMAPS.get(drafter) or _OTHER_CMAPS[zlib.crc32(drafter.encode()) % len(_OTHER_CMAPS)]
+    shade = 0.7 if k is None else 0.35 + 0.6 * min(math.log2(max(k, 1)), 4) / 4  # k = 1 lightest, 16+ darkest
+    rgba = matplotlib.colormaps[cmap](shade)
+    return {"color": matplotlib.colors.to_hex(rgba), "marker": MARKERS[zlib.crc32(variant.encode()) % len(MARKERS)]}
+
+
+def _series_style(label: str, summary: dict) -> dict:
+    """:func:`method_style` of a series of :func:`_series` (its label names the variant and k)."""
+    variant = re.sub(r" k=\S+", "", label)
+    k = summary.get("k") if isinstance(summary.get("k"), int) else None
+    return method_style(summary.get("drafter") or _drafter_of(variant), k, variant)
+
+
+def _drafter_of(label: str) -> str:
+    """A label's drafter where its summary names none: the method's name, without marks or context."""
+    return label.split(" (")[0].split(",")[0]
 
 
 def _offsets(n: int, width: float) -> list[float]:
@@ -154,11 +182,12 @@ def figure_throughput_latency(runs: list[dict], title: str):
     points = {label: [(by_c[c]["latency_mean_s"], by_c[c]["tokens_per_s"]) for c in sorted(by_c)]
               for label, by_c in series.items()}
     fig, ax = _new_figure(title + " (labels: concurrency)")
-    for i, ((label, pts), size) in enumerate(zip(points.items(), _concentric(list(points.values())))):
+    for (label, pts), size in zip(points.items(), _concentric(list(points.values()))):
         cs, (xs, ys) = sorted(series[label]), zip(*pts)
-        style = _style(i)
+        first = series[label][min(series[label])]
+        style = _series_style(label, first) if not label.startswith("autoregressive") else method_style(None, None, label)
         if label.startswith("autoregressive"):  # the baseline: black, dashed, hollow
-            style.update(color="black", linestyle="--", markerfacecolor="white")
+            style.update(linestyle="--", markerfacecolor="white")
         ax.plot(xs, ys, label=label, markersize=size, **style)
         for c, x, y in zip(cs, xs, ys):
             ax.annotate(str(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -175,10 +204,10 @@ def figure_acceptance(runs: list[dict], title: str):
     if not curves:
         return None
     fig, ax = _new_figure(title)
-    for i, ((label, s), dx) in enumerate(zip(curves.items(), _offsets(len(curves), 0.3))):
+    for (label, s), dx in zip(curves.items(), _offsets(len(curves), 0.3)):
         acc = s["acceptance_at"]
         ax.plot([j + 1 + dx for j in range(len(acc))], acc, linestyle="-", markersize=6, alpha=0.9,
-                label=f"{label} (mean accepted length {s['mean_accepted_length']:.2f})", **_style(i))
+                label=f"{label} (mean accepted length {s['mean_accepted_length']:.2f})", **_series_style(label, s))
     positions = max(len(s["acceptance_at"]) for s in curves.values())
     ax.set_xticks(range(1, positions + 1))
     ax.set_xlabel("draft position (series side by side)")
@@ -206,9 +235,9 @@ def figure_speedup_k(runs: list[dict], title: str):
     if not groups:
         return None
     fig, ax = _new_figure(title, wide=True)
-    for i, (((name, c), pts), dx) in enumerate(zip(sorted(groups.items()), _offsets(len(groups), 0.4))):
+    for ((name, c), pts), dx in zip(sorted(groups.items()), _offsets(len(groups), 0.4)):
         pts.sort(key=lambda p: p[0])
-        style = _style(i)
+        style = method_style(pts[0][1].get("drafter") or _drafter_of(name), None, f"{name}, concurrency {c}")
         for key, (extra, _) in MEASURES.items():
             have = [(k * 2 ** dx, s[key]) for k, s in pts if s.get(key) is not None]  # offset in log2 units
             if have:

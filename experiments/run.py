@@ -46,12 +46,34 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="run_schema", node=node)
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
-    """The one conversion from Hydra's composed config to the library's typed config."""
+def own_drafter_options(cfg: DictConfig, choice: str | None) -> DictConfig:
+    """``drafter.name=mine`` over the drafter group ``choice`` (``ngram`` by default): the group's
+    options belong to its drafter, not to ``mine``, so those still at the group's values are dropped;
+    options given on the command line (``+drafter.options.x=1``, or a group option set to another
+    value) stay."""
+    group = Path(CONF_DIR) / "drafter" / f"{choice}.yaml"
+    if not choice or not group.is_file() or cfg.drafter.name is None:
+        return cfg
+    own = OmegaConf.load(group)
+    if own.get("name") == cfg.drafter.name:
+        return cfg
+    defaults = OmegaConf.to_container(own.get("options") or {})
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.drafter.options = {k: v for k, v in OmegaConf.to_container(cfg.drafter.options).items()
+                               if k not in defaults or defaults[k] != v}
+    return cfg
+
+
+def to_run_config(cfg: DictConfig, choices: dict | None = None) -> RunConfig:
+    """The one conversion from Hydra's composed config to the library's typed config (``choices``:
+    the config groups Hydra picked, ``HydraConfig.get().runtime.choices``)."""
     if "hydra" in cfg:  # composed with return_hydra_config=True (the tests read the sweeper's params)
+        choices = choices or dict(cfg.hydra.runtime.choices)
         cfg = cfg.copy()
         with open_dict(cfg):
             del cfg["hydra"]
+    cfg = own_drafter_options(cfg, (choices or {}).get("drafter"))
     check_keys(OmegaConf.to_container(cfg))  # a misspelt key fails by name, before the conversion
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, RunConfig)
@@ -63,7 +85,7 @@ register_configs()
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_cfg = to_run_config(cfg)
+    run_cfg = to_run_config(cfg, dict(HydraConfig.get().runtime.choices))
     torch.set_num_threads(run_cfg.threads)  # the config's: one by default, stable timings on a small shared CPU
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
