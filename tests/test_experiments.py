@@ -407,7 +407,7 @@ def test_methods_run_several_drafters_and_ks_interleaved(target):
 def test_the_adaptive_policy_is_a_key_of_the_run_and_of_every_method(hydra_conf, target):
     run = entry.to_run_config(compose(config_name="config", overrides=["policy=adaptive"]))
     assert run.policy == "adaptive" and run.speculative_methods()["spec"].policy == "adaptive"
-    with pytest.raises(ValueError, match="policy must be one of fixed, adaptive, got 'adaptve'"):
+    with pytest.raises(ValueError, match="policy must be one of fixed, adaptive, prefix, got 'adaptve'"):
         _tiny_cfg(policy="adaptve")
     with pytest.raises(ValueError, match="methods.x.policy must be one of"):
         _tiny_cfg(methods={"x": MethodConfig(policy="k")})
