@@ -3,6 +3,7 @@ thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for
 
 - ``acceptance``: a preset's learned drafters' acceptance alone on held-out prompts, no clock.
 - ``step_anatomy``: where one target forward spends its time; each fp32 product per row count.
+- ``peak_memory``: peak RSS of one long-context generation, a process per method (``generate()`` beside them).
 - ``kernels``: the rejection-sampler kernel against its torch reference.
 - ``compile_kernels``: every Triton kernel compiled for real GPU targets, no GPU needed.
 - ``gpu``: the GPU kit (``make gpu-bench``, docs/gpu.md).
