@@ -17,7 +17,7 @@ ROOFLINES := roofline roofline-tiny
 # the questions' former target names, still working
 ALIASES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp adaptive suffix
 
-.PHONY: gpu-bench setup demo test test-fast test-slow sweep-ngram sweep-drafters \
+.PHONY: gpu-bench interop setup demo test test-fast test-slow sweep-ngram sweep-drafters \
 	$(addprefix bench-,$(BENCHES) $(ROOFLINES) $(ALIASES))
 
 setup: $(VENV)/.installed
@@ -85,3 +85,25 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-bench:
 	@test -n "$(OUT)" || { echo "usage: make gpu-bench OUT=<folder> [DRY_RUN=1]"; exit 2; }
 	$(GPU_PY) experiments/bench.py gpu --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
+
+# Interop with the real speculators package (docs/serving.md), not part of `make test`: a side venv
+# (speculators pins transformers <= 5.19, ours is newer) with the CPU torch and speculators' model-side
+# dependencies (--no-deps: its torchvision/torchaudio pins would pull a CUDA torch; its training
+# connector hs-connectors is installed bare, imported but unused here), then round trips both ways
+# for EAGLE-3, DFlash and DSpark, and MTP against transformers' generate(use_mtp=True).
+INTEROP_VENV ?= .cache/interop-venv
+INTEROP_PY := $(INTEROP_VENV)/bin/python
+SPECULATORS_SPEC ?= speculators==0.9.0
+$(INTEROP_VENV)/.installed:
+	test -x $(INTEROP_PY) || python3 -m venv $(INTEROP_VENV)
+	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(INTEROP_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SPECULATORS_SPEC)" hs-connectors==0.9.0
+	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "transformers>=5.0,<=5.19.0" pydantic pydantic-settings \
+		"loguru>=0.7.2,<=0.7.3" safetensors huggingface-hub "numpy>=2.0,<=2.5.4" "tqdm>=4.66.3,<=4.70.1" rich click \
+		typer psutil protobuf httpx aiohttp "openai>=2.0.0" "datasets>=4.0.0,<=5.1.0"
+	$(INTEROP_PY) -c "import speculators"
+	touch $@
+
+interop: setup $(INTEROP_VENV)/.installed
+	SPECDEC_INTEROP=1 SPECDEC_INTEROP_PYTHON=$(INTEROP_PY) $(VENV)/bin/pytest -q tests/interop
+	$(VENV)/bin/pytest -q tests/test_mtp.py -k use_mtp

@@ -25,6 +25,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)  # tiny models: threads cost more than they give
 
+# tests/interop needs the real speculators package in a side environment (`make interop`): never
+# collected by `make test`, only with SPECDEC_INTEROP=1
+collect_ignore = [] if os.environ.get("SPECDEC_INTEROP") else ["interop"]
+
 from specdec.drafters import DraftModelDrafter  # noqa: E402
 from specdec.policy import StepCosts  # noqa: E402
 from specdec.registry import DRAFTERS as REGISTRY  # noqa: E402
