@@ -422,7 +422,7 @@ def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
 
 def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
     names = sorted(p.stem for p in CONF.glob("*.yaml"))
-    assert names == ["smollm2_dflash", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
+    assert names == ["smollm2_dflash", "smollm2_dflash2", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
                      "tiny_deepseek_v3_mtp"]
     for name in names:
         cfg = compose_train(name)
