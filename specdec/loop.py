@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from specdec.drafter import Drafter
 from specdec.metrics import RequestMetrics, RunMetrics
-from specdec.policy import DraftPolicy, make_policy
+from specdec.policy import DraftPolicy, make_policy, pinned_rows
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
 from specdec.timing import now
@@ -197,7 +197,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         nb = len(live)
         ta = clock()
         live_ids = torch.tensor(live, device="cpu") if policy is not None else None  # [nb] request ids (host)
-        pinned = _pinned(policy, rows)  # seeded sampled rows the policy must not move, or None
+        pinned = pinned_rows(policy, rows)  # seeded sampled rows the policy must not move, or None
         skip = policy is not None and policy.skip(chosen, k, live_ids) and pinned is None  # a plain step
         proposal = drafter.propose(state, k, rows) if drafter is not None and not skip else DraftProposal.empty(nb, dev)
         proposal.check_shapes(nb, V)
@@ -265,17 +265,6 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     rm.wall_s = clock(final=True) - t0
     rm.new_tokens = sum(len(o) for o in outputs)
     return RunResult([RequestResult(o, m) for o, m in zip(outputs, metrics)], rm)
-
-
-def _pinned(policy: DraftPolicy | None, rows: RowSampling) -> Tensor | None:
-    """[B] bool host mask of the rows whose tokens a seed must pin but whose draft length
-    ``policy`` would choose from other rows or timings (:attr:`DraftPolicy.couples_rows`): seeded
-    sampled rows, unless the verifier keyed every row's noise by position (``coupled``), where no
-    choice moves a token. None when there is none."""
-    if policy is None or not policy.couples_rows or rows.keyed:
-        return None
-    mask = [p.seed is not None and not p.greedy for p in rows.params]
-    return torch.tensor(mask) if any(mask) else None
 
 
 def _upload(x: Tensor, device: torch.device) -> Tensor:

@@ -43,7 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -51,7 +51,10 @@ from torch import Tensor
 from specdec.timing import repeat
 from specdec.types import DraftProposal, node_depths
 
-__all__ = ["Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "PrefixPolicy", "best_lengths",
+if TYPE_CHECKING:
+    from specdec.sampling import RowSampling
+
+__all__ = ["pinned_rows", "Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "PrefixPolicy", "best_lengths",
            "schedule", "survival", "best_throughput", "profile_step_costs", "make_policy", "POLICIES"]
 
 _HOST = torch.device("cpu")  # the policy's statistics and choices are small: kept and computed on the host
@@ -525,6 +528,18 @@ class PrefixPolicy(DraftPolicy):
         if isinstance(self.costs, MeasuredCosts):
             B = proposal.tokens.shape[0]
             self.costs.record(B, B * (1 + proposal.n), draft_s, verify_s)
+
+
+def pinned_rows(policy: DraftPolicy | None, rows: RowSampling) -> Tensor | None:
+    """[B] bool host mask of the rows whose tokens a seed must pin but whose draft length
+    ``policy`` would choose from other rows or timings (:attr:`DraftPolicy.couples_rows`): seeded
+    sampled rows, unless the verifier keyed every row's noise by position (``coupled``), where no
+    choice moves a token. None when there is none. The loop applies it to the policy it is given,
+    a drafter to a policy it applies to its own proposals (DSpark's scheduler)."""
+    if policy is None or not policy.couples_rows or rows.keyed:
+        return None
+    mask = [p.seed is not None and not p.greedy for p in rows.params]
+    return torch.tensor(mask) if any(mask) else None
 
 
 POLICIES: dict[str, type[DraftPolicy]] = {"adaptive": AdaptivePolicy, "prefix": PrefixPolicy}

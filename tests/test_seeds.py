@@ -64,3 +64,17 @@ def test_seeded_sampled_rows_draft_from_their_own_suffix_tree_unless_asked(targe
             SuffixDrafter.create(target, global_for_seeded="yes")
     finally:
         clear_global_caches()
+
+
+@pytest.mark.parametrize("opts", [dict(budget=4), dict(costs=StepCosts([1, 5, 6, 64], [1.0, 1.0, 100.0, 1000.0], [1], [0.0]))])
+def test_a_seeded_row_under_dsparks_own_scheduler_does_not_depend_on_its_batch(target, opts):
+    """DSpark's ``scheduler=True`` applies the prefix policy inside its own ``propose``: a budget
+    shared by the batch, or costs of the batch's block, would move a seeded row's draft length."""
+    from specdec.drafters.dspark.drafter import DSparkDrafter
+
+    costs = opts.get("costs", StepCosts([1, 64], [1.0, 1.0], [1], [0.0]))
+    d = DSparkDrafter.tiny(target, scheduler=True, costs=costs, budget=opts.get("budget"))
+    alone = _run(target, d, [PROMPT], [SEEDED], None).tokens[0]
+    for others in ([SamplingParams(temperature=1.0)] * 3, [SamplingParams()] * 3):
+        batch = _run(target, d, [OTHERS[0], PROMPT, *OTHERS[1:]], [others[0], SEEDED, *others[1:]], None)
+        assert batch.tokens[1] == alone

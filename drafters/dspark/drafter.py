@@ -40,7 +40,7 @@ from specdec.drafters.dflash.model import BlockDraftModel
 from specdec.drafters.dspark.model import DSparkConfig, DSparkModel
 from specdec.kernels.markov import markov_chain, markov_sample
 from specdec.models import cache_dir
-from specdec.policy import PrefixPolicy, StepCosts, profile_step_costs
+from specdec.policy import PrefixPolicy, StepCosts, pinned_rows, profile_step_costs
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
 from specdec.timing import Stopwatch
@@ -106,7 +106,9 @@ class DSparkDrafter(BlockDrafter):
     @torch.inference_mode()
     def propose(self, state: DSparkState, k: int, rows: RowSampling) -> DraftProposal:
         B = state.anchors.shape[0]
-        if self.policy is not None and state.requests is not None and self.policy.skip(state.schedule, k, state.requests):
+        scheduled = self.policy is not None and state.requests is not None
+        pinned = pinned_rows(self.policy, rows) if scheduled else None  # seeded sampled rows keep every draft
+        if scheduled and pinned is None and self.policy.skip(state.schedule, k, state.requests):
             return DraftProposal.empty(B, self.target.device)
         hidden = self.block_hidden(state, k)  # position j drafts the token at P + j + 1
         base = self.target.logits(hidden, self.head_dtype, self.drafted_ids())  # [B, k, V]
@@ -115,8 +117,11 @@ class DSparkDrafter(BlockDrafter):
         tokens, q = self._sample(base, state.anchors, hidden, u, rows, greedy)
         conf = None if self.model.confidence_head is None else self.confidences(hidden, state.anchors, tokens)
         proposal = DraftProposal.chain(tokens, q, None, conf)  # conf: advice for a draft-length policy
-        if self.policy is not None and state.requests is not None:
-            proposal = proposal.with_num_valid(self.policy.choose(state.schedule, proposal, state.requests))
+        if scheduled:
+            nv = self.policy.choose(state.schedule, proposal, state.requests)
+            if pinned is not None:  # the schedule depends on the batch: a seed pins its row as in any batch
+                nv = torch.where(pinned.to(nv.device), proposal.num_valid, nv)
+            proposal = proposal.with_num_valid(nv)
         return proposal
 
     def _sample(self, base: Tensor, anchors: Tensor, hidden: Tensor, u: Tensor, rows: RowSampling,
