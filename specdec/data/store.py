@@ -317,7 +317,7 @@ def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out:
     that reaches it (counting every shard of the stream, written now or before)."""
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState(cpu=target.device.type == "cpu")  # a CPU target: gloo processes, not one process each
     out = Path(out)
     spec = {"format": FORMAT, "target": {"id": target_id, "hash": weights_hash(target)},
             "layers": list(needs.layers), "kv_layers": list(needs.kv), "dtype": str(dtype).removeprefix("torch."),
