@@ -39,10 +39,12 @@ demo: setup
 # no test fails (pytest exits 5).
 test: test-fast test-slow
 
-# Unit tests and the conformance suite on tiny random targets. pytest's default output: one line per
-# test file as it runs, with the share done; then the 15 slowest tests.
+# Unit tests and the conformance suite on tiny random targets, over both cores (pytest-xdist: one
+# worker per core, a test file's tests on one worker); pytest's default output (the share done),
+# then the 15 slowest tests. One worker: make test-fast XDIST="-n 0".
+XDIST ?= -n 2 --dist loadfile
 test-fast: setup
-	$(VENV)/bin/pytest -m "not slow" --durations=15
+	$(VENV)/bin/pytest -m "not slow" $(XDIST) --durations=15
 
 # The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints.
 test-slow: setup
