@@ -539,7 +539,7 @@ def pinned_rows(policy: DraftPolicy | None, rows: RowSampling) -> Tensor | None:
     if policy is None or not policy.couples_rows or rows.keyed:
         return None
     mask = [p.seed is not None and not p.greedy for p in rows.params]
-    return torch.tensor(mask) if any(mask) else None
+    return torch.tensor(mask, device="cpu") if any(mask) else None
 
 
 POLICIES: dict[str, type[DraftPolicy]] = {"adaptive": AdaptivePolicy, "prefix": PrefixPolicy}
