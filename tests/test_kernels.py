@@ -278,7 +278,7 @@ def test_sampled_matches_target_distribution_through_kernels(kernels_on, target,
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rows_do_not_depend_on_their_batch_through_kernels(kernels_on, target, temperature):
     case = ("random[tree,iid]", DRAFTERS["random[tree,iid]"](target))
-    conformance.test_rows_do_not_depend_on_their_batch(case, target, temperature)
+    conformance.test_rows_do_not_depend_on_their_batch(case, target, temperature, "rejection")
 
 
 def test_edge_cases_through_kernels(kernels_on, target):
