@@ -57,11 +57,7 @@ def make_drafter(name: str, target: Target, **options: Any) -> Drafter:
     (:func:`specdec.models.resolve_checkpoint`).
     """
     cls = drafter_class(name)
-    known = cls.option_names()
-    unknown = sorted(set(options) - set(known)) if known is not None else []
-    if unknown:
-        raise ValueError(f"drafter {name!r} has no option {', '.join(map(repr, unknown))};"
-                         f" its options are: {', '.join(known)}")
+    _refuse_unknown_options("drafter", name, cls.option_names(), options)
     if options.get("checkpoint"):
         from specdec.models import resolve_checkpoint
 
@@ -73,12 +69,17 @@ def make_verifier(name: str, **options: Any) -> Verifier:
     """Build the verifier registered as ``name`` (:mod:`specdec.registry`). An option it does not
     take raises ``ValueError`` naming it and the verifier's options (:meth:`Verifier.option_names`)."""
     cls = verifier_class(name)
-    known = cls.option_names()
+    _refuse_unknown_options("verifier", name, cls.option_names(), options)
+    return cls(**options)
+
+
+def _refuse_unknown_options(kind: str, name: str, known: Any, options: dict[str, Any]) -> None:
+    """The one check both builders make before any work: every option is one the class takes
+    (``known`` None: the class accepts anything)."""
     unknown = sorted(set(options) - set(known)) if known is not None else []
     if unknown:
-        raise ValueError(f"verifier {name!r} has no option {', '.join(map(repr, unknown))};"
+        raise ValueError(f"{kind} {name!r} has no option {', '.join(map(repr, unknown))};"
                          f" its options are: {', '.join(known) if known else 'none'}")
-    return cls(**options)
 
 
 @dataclass
