@@ -40,9 +40,10 @@ demo: setup
 test: test-fast test-slow
 
 # Unit tests and the conformance suite on tiny random targets, over both cores (pytest-xdist: one
-# worker per core, a test file's tests on one worker); pytest's default output (the share done),
+# worker per core, tests handed out one by one and an idle worker taking the other's queued ones, so
+# the conformance suite's file is shared); pytest's default output (the share done),
 # then the 15 slowest tests. One worker: make test-fast XDIST="-n 0".
-XDIST ?= -n 2 --dist loadfile
+XDIST ?= -n 2 --dist worksteal
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow" $(XDIST) --durations=15
 

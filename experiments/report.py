@@ -17,7 +17,9 @@ Reads every ``summary.json`` below the folder (with the ``config.json`` beside i
 - ``acceptance.png``: acceptance per draft position, one line per speculative method (lowest concurrency);
 - ``speedup_k.png``: speedup over autoregressive decoding against k: measured end to end, measured
   decode only, and predicted from measured acceptance and costs (hollow markers; the gap is loop
-  overhead).
+  overhead);
+- ``speedup_context.png`` (jobs that differ in prompt length, the ``context_length`` question): decode
+  speedup against the prompt's length, one line per method, transformers' ``generate()`` end to end.
 
 Readable by construction: a figure with nothing to show is not written (no acceptance figure for
 autoregressive-only jobs); a method keeps its colour in every figure of every report (its drafter
@@ -48,6 +50,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
+from specdec.provenance import with_kept_notes  # noqa: E402
 
 __all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
 
@@ -255,8 +258,38 @@ def figure_speedup_k(runs: list[dict], title: str):
     return _finish(fig, ax, legend_size=6)
 
 
+def figure_speedup_context(runs: list[dict], title: str):
+    """Speedup over autoregressive decoding against the prompt's length (``dataset.input_len``), one
+    line per method (transformers' ``generate()`` included, end to end: it has no decode split);
+    None unless the jobs differ in prompt length (the ``context_length`` question)."""
+    lengths = {r["config"]["dataset"].get("input_len") for r in runs}
+    if len(lengths) < 2 or None in lengths:
+        return None
+    lines: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    styles: dict[str, dict] = {}
+    for r in sorted(runs, key=lambda r: r["config"]["dataset"]["input_len"]):
+        n = r["config"]["dataset"]["input_len"]
+        for m, s in r["summary"].items():
+            key = "decode_speedup" if s.get("decode_speedup") is not None else "speedup"
+            if m == "ar" or s.get(key) is None:
+                continue
+            label = (f"{_family(r, m)}, k {k_label(s)}" if "prefill_s" in s else f"{m}, end to end") + lossy_mark(s)
+            lines[label].append((n, s[key]))
+            styles[label] = method_style(s.get("drafter"), s.get("k") if isinstance(s.get("k"), int) else None, label)
+    fig, ax = _new_figure(title + ": decode speedup against the prompt's length", wide=True)
+    for (label, pts), dx in zip(sorted(lines.items()), _offsets(len(lines), 0.3)):
+        ax.plot([n * 2 ** dx for n, _ in pts], [y for _, y in pts], label=label, markersize=6, **styles[label])
+    ax.axhline(1.0, color="grey", linewidth=0.8, gid="reference")  # autoregressive decoding
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(lengths), [f"{n:,}" for n in sorted(lengths)])
+    ax.minorticks_off()
+    ax.set_xlabel("prompt tokens (series side by side)")
+    ax.set_ylabel("speedup over autoregressive (decode only)")
+    return _finish(fig, ax, legend_size=6)
+
+
 FIGURES = {"throughput_latency.png": figure_throughput_latency, "acceptance.png": figure_acceptance,
-           "speedup_k.png": figure_speedup_k}
+           "speedup_k.png": figure_speedup_k, "speedup_context.png": figure_speedup_context}
 
 
 def write_figures(runs: list[dict], out: Path, title: str) -> list[str]:
@@ -350,6 +383,13 @@ def _same(x: dict) -> str:
     return "-" if same is None else f"{same}/{x.get('requests', '?')}"
 
 
+def _job(dirname: str) -> str:
+    """A sweep job by what it set (``3_dataset.input_len=7500,progress=False`` → ``3: dataset.input_len=7500``)."""
+    index, _, overrides = dirname.partition("_")
+    kept = [o for o in overrides.split(",") if o and not o.startswith("progress=")]
+    return f"{index}: {', '.join(kept)}" if kept else index
+
+
 def question_table(folder: Path) -> str:
     """A question's current table, rendered from its run (a multirun folder or one run folder): what
     the preset asks, the command, git SHA, machine (CPU model, threads, dtype) and date that
@@ -375,7 +415,7 @@ def question_table(folder: Path) -> str:
     for r in sorted(runs, key=lambda r: r["dir"].name):
         cfg = r["config"]
         for method, x in r["summary"].items():
-            lines.append(f"| {r['dir'].name.split('_')[0]} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
+            lines.append(f"| {_job(r['dir'].name)} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
                          f" | {x['concurrency']} | {method}{lossy_mark(x)} | {k_label(x)} | {x['tokens_per_s']:.1f}"
                          f" | {_fmt(x.get('speedup'), '.2f')} | {_fmt(x.get('decode_speedup'), '.2f')}"
                          f" | {_fmt(x.get('mean_accepted_length'), '.2f')} | {_same(x)} |")
@@ -389,11 +429,12 @@ def main() -> None:
     ap.add_argument("--title", default=None)
     ap.add_argument("--per-request", action="store_true", help="also tokens/s and acceptance per request")
     ap.add_argument("--table", type=Path, default=None,
-                    help="write the question's current table (docs/results/<question>.md) instead of a report")
+                    help="write the question's current table (docs/results/<question>.md) instead of a report; "
+                         "the page's notes (after its notes line) are kept")
     args = ap.parse_args()
     if args.table is not None:
         args.table.parent.mkdir(parents=True, exist_ok=True)
-        args.table.write_text(question_table(args.folder))
+        args.table.write_text(with_kept_notes(args.table, question_table(args.folder)))
         print(args.table)
         return
     print(write_report(args.folder, args.out, args.title, args.per_request))

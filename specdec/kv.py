@@ -87,6 +87,8 @@ class KVStore:
     # the valid slots (read + write); every later step reads the freed ones once per layer, so a
     # fraction f pays back after about 2(1 - f)/f steps: 6 at 0.25
     compact_at = 0.25
+    # retiring rows: up to this many rows that shift down move one copy each; more move as one gather
+    ROW_COPIES = 8
 
     def __init__(self, batch: int, device: torch.device | str, dtype: torch.dtype, num_layers: int = 1,
                  layer_types: list[str] | None = None, sliding_window: int | None = None):
@@ -203,12 +205,19 @@ class KVStore:
         return k[:, :, :end], v[:, :, :end]
 
     @torch.inference_mode()
-    def commit(self, keep: Tensor | None = None) -> None:
+    def commit(self, keep: Tensor | int | None = None) -> None:
         """Keep the block slots marked in ``keep`` [B, m]; they must form a root-to-node path.
-        ``None`` keeps the whole block (a chain), which leaves a :attr:`dense` store dense."""
+        ``None`` keeps the whole block (a chain), which leaves a :attr:`dense` store dense. An int
+        ``c`` keeps the block's first ``c`` slots in every row (a chain whose rows accepted alike,
+        e.g. at batch 1): the rest of the block is dropped outright, not left as holes, so a dense
+        store stays dense (its attention needs no mask, it never needs compacting)."""
         if self._pending is None:
             raise RuntimeError("nothing to commit: plan() a block first")
         m = self._pending.shape[1]
+        if isinstance(keep, int) and not isinstance(keep, bool):
+            if not 0 <= keep <= m:
+                raise ValueError(f"commit() keeps 0..{m} leading slots of the block, got {keep}")
+            m, self._pending, keep = keep, self._pending[:, :keep], None
         S, end = self.num_slots, self.num_slots + m
         self._valid[:, S:end] = True if keep is None else keep
         self._slot_pos[:, S:end] = self._pending
@@ -304,13 +313,22 @@ class KVStore:
             self._move(self.capacity, on_dev)
         else:
             shifts, S = [(i, r) for i, r in enumerate(keep) if i != r], self.num_slots
+            first = shifts[0][0] if shifts else len(keep)  # rows before it stay where they are
+            moved = on_dev[first:]
             for buffers in (self._keys, self._values):
                 for j, x in enumerate(buffers):
                     if x is not None:
-                        for i, r in shifts:
-                            x[i, :, :S].copy_(x[r, :, :S])
+                        if len(shifts) <= self.ROW_COPIES:
+                            for i, r in shifts:
+                                x[i, :, :S].copy_(x[r, :, :S])
+                        elif shifts:  # many rows (a large batch retiring): one gather, one copy
+                            x[first: len(keep), :, :S] = x[moved, :, :S]
                         buffers[j] = x[: len(keep)]  # a view: the rows past it are freed at the next reallocation
-            for i, r in shifts:
-                self._valid[i, :S], self._slot_pos[i, :S] = self._valid[r, :S], self._slot_pos[r, :S]
+            if len(shifts) <= self.ROW_COPIES:
+                for i, r in shifts:
+                    self._valid[i, :S], self._slot_pos[i, :S] = self._valid[r, :S], self._slot_pos[r, :S]
+            elif shifts:
+                self._valid[first: len(keep), :S] = self._valid[moved, :S]
+                self._slot_pos[first: len(keep), :S] = self._slot_pos[moved, :S]
             self._valid, self._slot_pos = self._valid[: len(keep)], self._slot_pos[: len(keep)]
         self.lengths = self.lengths[on_dev]

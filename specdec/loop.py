@@ -230,6 +230,8 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         order = torch.where(in_path, order, 0)
         if all(a == n for a in accepted):
             target.commit(session, None)  # the whole block: a dense store stays dense
+        elif proposal.is_chain and len(set(accepted)) == 1:
+            target.commit(session, accepted[0] + 1)  # the same prefix of a chain in every row (batch 1): still dense
         else:
             # Slots off the path scatter into a spare column n+1, then dropped (duplicates would race).
             keep = torch.zeros(nb, n + 2, dtype=torch.bool, device=dev)

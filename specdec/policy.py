@@ -249,6 +249,7 @@ class AdaptivePolicy(DraftPolicy):
         self.accepted = torch.zeros(0, dtype=torch.float64, device=_HOST)
         self.cal_tested = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)  # per confidence bin
         self.cal_accepted = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)
+        self.cal_reported = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)  # Σ confidence of those tested
 
     def start(self, batch: int, k: int) -> _RunState:
         z = torch.zeros(batch, k, dtype=torch.float64, device=_HOST)
@@ -315,9 +316,14 @@ class AdaptivePolicy(DraftPolicy):
         return None
 
     def _calibrated(self, conf: Tensor) -> Tensor:
-        """Acceptance observed for confidences in the same bin, shrunk towards the confidence itself."""
+        """Acceptance observed for confidences in the same bin, shrunk towards the confidence scaled by
+        the drafter's overall calibration (accepted over reported, every bin together, itself shrunk
+        towards 1): a drafter that is overconfident everywhere is believed less in a bin it has not
+        been seen in yet, so the policy stops paying for its drafts within a few steps."""
         b = self._bin(conf)
-        return (self.cal_accepted[b] + self.prior_weight * conf) / (self.cal_tested[b] + self.prior_weight)
+        w = self.prior_weight
+        overall = (self.cal_accepted.sum() + w) / (self.cal_reported.sum() + w)
+        return (self.cal_accepted[b] + w * (conf * overall).clamp(max=1)) / (self.cal_tested[b] + w)
 
     def _bin(self, conf: Tensor) -> Tensor:
         return (conf * self.BINS).long().clamp(0, self.BINS - 1)
@@ -367,6 +373,8 @@ class AdaptivePolicy(DraftPolicy):
             self.cal_tested = self.cal_tested * self.global_memory + torch.bincount(b, minlength=self.BINS)
             hit = (j < acc.unsqueeze(1))[tried]
             self.cal_accepted = self.cal_accepted * self.global_memory + torch.bincount(b[hit], minlength=self.BINS)
+            self.cal_reported = self.cal_reported * self.global_memory + torch.bincount(
+                b, weights=conf[tried], minlength=self.BINS)
 
 
 # --- the prefix scheduler (DSpark, arXiv 2607.05147, Algorithm 1) -------------------------------

@@ -13,9 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "git_sha", "git_dirty", "command_line", "versions"]
+__all__ = ["ROOT", "NOTES", "git_sha", "git_dirty", "command_line", "versions", "with_kept_notes"]
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository root of a source checkout
+# A generated results page keeps what follows this line (the prose on what its tables mean) when it is rendered again
+NOTES = "<!-- notes: kept when the page is regenerated -->"
 
 
 def _git(*args: str) -> str | None:
@@ -53,3 +55,11 @@ def versions() -> dict[str, str]:
     import transformers
 
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def with_kept_notes(page: Path, generated: str) -> str:
+    """``generated`` followed by the notes of ``page`` as it is on disk (everything after :data:`NOTES`),
+    so rendering a results page again replaces its tables and keeps its prose."""
+    old = page.read_text() if page.is_file() else ""
+    notes = old.split(NOTES, 1)[1] if NOTES in old else "\n"
+    return generated.rstrip("\n") + "\n\n" + NOTES + notes

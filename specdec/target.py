@@ -478,9 +478,10 @@ class Target:
             self._head_copies[slot] = cached
         return cached[1], cached[2]
 
-    def commit(self, session: TargetSession, keep: Tensor | None = None) -> None:
-        """Keep the block slots marked in ``keep`` [B, m]; ``None`` keeps the whole block."""
-        session.cache.commit(None if keep is None else keep.to(self.device))
+    def commit(self, session: TargetSession, keep: Tensor | int | None = None) -> None:
+        """Keep the block slots marked in ``keep`` [B, m]; ``None`` keeps the whole block, an int
+        that many leading slots in every row (:meth:`specdec.kv.KVStore.commit`)."""
+        session.cache.commit(keep.to(self.device) if isinstance(keep, Tensor) else keep)
 
     def prefill(self, session: TargetSession, prompts: list[list[int]]) -> tuple[TargetOutput, Tensor, Tensor]:
         """Run the prompts, right-padded, and commit them.

@@ -284,7 +284,8 @@ def test_a_lossy_verifier_is_marked_in_summaries_tables_and_legends(tmp_path, ta
     assert "| spec (lossy) | ngram |" in (tmp_path / "0_typical" / "summary.md").read_text()
     assert "(lossy)" not in (tmp_path / "1_rejection" / "summary.md").read_text()
     figures = [build(report.load_runs(tmp_path), "t") for build in report.FIGURES.values()]
-    legends = [t for fig in figures for t in fig.axes[0].get_legend_handles_labels()[1]]
+    legends = [t for fig in figures if fig is not None for t in fig.axes[0].get_legend_handles_labels()[1]]
+    assert sum(fig is None for fig in figures) == 1  # one prompt length: no context figure
     report.plt.close("all")
     overview = report.write_report(tmp_path).read_text().split("\n## Run `")[0]
     assert overview.count(" | spec (lossy) |") == 1 and overview.count(" | ar (lossy) |") == 1
@@ -497,3 +498,18 @@ def test_acceptance_script_measures_a_presets_methods_on_held_out_prompts_only(t
         acc.held_out_prompts(target, 41)
     with pytest.raises(ValueError, match="no methods"):
         acc.preset_methods("config")
+    by_context = [dict(r, context=n) for n, r in zip((128, 7500), rows)]  # --dataset stdlib --context ...
+    assert "| 7,500 | ngram | ngram | 3 |" in acc.markdown(by_context, "header")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--context", "128"], "--context goes with --dataset stdlib"),
+    (["--dataset", "stdlib"], "--dataset stdlib needs --context"),
+    (["--dataset", "stdlib", "--context", "0"], "positive token counts"),
+])
+def test_the_acceptance_bench_refuses_a_context_question_it_cannot_ask_before_loading_a_model(argv, error, monkeypatch):
+    acc = _load("specdec_experiments_acceptance", EXP / "benchmarks" / "acceptance.py")
+    monkeypatch.setattr(acc, "load_target", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("sys.argv", ["acceptance", "--preset", "context_length", "--out", "unused", *argv])
+    with pytest.raises(SystemExit, match=error):
+        acc.main()

@@ -239,6 +239,31 @@ def test_refresh_dense_after_compacting_rows_of_equal_length():
     assert store.lengths.tolist() == [6, 5] and not store.refresh_dense()  # rows of unequal length
 
 
+def test_a_chain_prefix_kept_alike_in_every_row_drops_the_rest_and_stays_dense():
+    """``commit(c)``: every row keeps the block's first c slots (a chain at batch 1 accepting c - 1
+    drafts): the next block is written right after them, the store stays dense (no mask, nothing to
+    compact), and the K/V, positions and lengths equal what holes and a compaction would leave."""
+    gen = torch.Generator().manual_seed(7)
+    fast, slow = (KVStore(2, "cpu", torch.float32, num_layers=2) for _ in range(2))
+    for c in (3, 1, 4, 0):
+        keys = torch.randn(2, H, 4, D, generator=gen)
+        for store, keep in ((fast, c), (slow, torch.arange(4).expand(2, 4) < c)):
+            plan = store.plan(length=4, implicit_causal=True)
+            assert store is slow or plan.attention_mask is None  # dense throughout: never a mask
+            store.write(0, keys, keys), store.write(1, keys, -keys)
+            store.commit(keep)
+        slow.compact()
+        assert fast.dense and fast.num_slots == slow.num_slots == int(fast.lengths[0])
+        assert torch.equal(fast.lengths, slow.lengths) and torch.equal(fast.slot_pos, slow.slot_pos)
+        for i in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(fast.layer(i), slow.layer(i)))
+    assert fast.lengths.tolist() == [8, 8]
+    fast.plan(length=2, implicit_causal=True)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="0..2 leading slots"):
+            fast.commit(bad)
+
+
 def test_the_target_writes_into_its_store_in_place():
     """A transformers model runs on the store: every layer's update lands in the preallocated
     buffers, and a whole step reallocates nothing while the block has room."""

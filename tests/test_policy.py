@@ -137,6 +137,22 @@ def test_reported_confidence_sets_the_length_and_is_calibrated_by_what_is_accept
     assert pol.choose(state, doubtful, torch.tensor([0])).item() == 4
 
 
+def test_a_drafter_overconfident_everywhere_is_believed_less_in_bins_not_yet_seen():
+    """Calibration per bin starts from the drafter's overall record, not from its word: after ten
+    first drafts reported at 0.95 and all rejected, a draft reported at 0.6 (a bin never tested) is
+    not worth verifying, though at face value it would be (two drafts)."""
+    costs = _costs(per_token=0.3, fixed=1.0)
+    mid = _proposal([[1, 2, 3, 4]], confidence=[[0.6] * 4])
+    assert AdaptivePolicy(costs=costs).choose(AdaptivePolicy(costs=costs).start(1, 4), mid, torch.tensor([0])).item() == 2
+    pol = AdaptivePolicy(costs=costs)
+    state = pol.start(1, 4)
+    sure = _proposal([[1, 2, 3, 4]], confidence=[[0.95] * 4])
+    for _ in range(10):
+        pol.observe(state, sure, torch.tensor([0]), torch.tensor([0]), 0.0, 1.0)
+    assert pol.cal_tested[6] == 0  # the 0.6 bin was never tested
+    assert pol.choose(state, mid, torch.tensor([0])).item() == 0
+
+
 def test_idle_steps_probe_the_whole_draft_with_a_growing_gap():
     pol = AdaptivePolicy(costs=_costs(per_token=1.0, fixed=0.1), probe_every=2, max_probe_gap=4)
     state = pol.start(1, 3)

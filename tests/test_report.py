@@ -40,7 +40,8 @@ SWEEP = [_run(d, 4, c, acceptance=[0.5, 0.25, 0.1, 0.0] if d == "eagle3" else No
 
 @pytest.fixture()
 def figures():
-    built = {name: build(SWEEP, "a drafters sweep") for name, build in report.FIGURES.items()}
+    built = {name: build(SWEEP, "a drafters sweep") for name, build in report.FIGURES.items()
+             if name != "speedup_context.png"}  # a sweep over prompt length has its own test
     yield built
     report.plt.close("all")
 
@@ -108,6 +109,25 @@ def test_predicted_markers_are_visible_and_in_the_legend(figures):
     assert "predicted (acceptance, costs)" in ax.get_legend_handles_labels()[1]
 
 
+def test_the_context_figure_draws_each_method_against_prompt_length():
+    """context_length's figure: one line per method (generate() included) over the swept prompt
+    lengths, decode speedup where the loop measured one; no figure for jobs of one length."""
+    runs = []
+    for n in (128, 1024, 4000):
+        r = _run("eagle3", 2, 1, acceptance=[0.4, 0.1])
+        r["config"]["dataset"]["input_len"] = n
+        r["summary"]["spec"]["decode_speedup"] = 1.0 + n / 10000
+        r["summary"]["hf_generate"] = {"speedup": 1.1, "tokens_per_s": 9.0, "lossless": True}
+        runs.append(r)
+    fig = report.FIGURES["speedup_context.png"](runs, "t")
+    lines = {ln.get_label(): ln for ln in _data_lines(fig.axes[0])}
+    assert set(lines) == {"eagle3, k 2", "hf_generate, end to end"}
+    assert [round(y, 4) for y in lines["eagle3, k 2"].get_ydata()] == [1.0128, 1.1024, 1.4]
+    assert len(lines["hf_generate, end to end"].get_xdata()) == 3
+    assert report.FIGURES["speedup_context.png"](SWEEP, "t") is None
+    report.plt.close("all")
+
+
 def test_a_questions_table_is_rendered_from_its_run_with_its_provenance(tmp_path):
     """docs/results/<question>.md: the command, git SHA, machine and date come from the run's
     config.json, the rows from its summary.json; a run that did not record them is refused."""
@@ -128,9 +148,21 @@ def test_a_questions_table_is_rendered_from_its_run_with_its_provenance(tmp_path
     table = report.question_table(tmp_path)
     assert table.startswith("# `ngram_vs_prompt_lookup`") and "prompt lookup" in table  # the preset's own question
     for part in ("`python experiments/run.py --config-name ngram_vs_prompt_lookup -m`", "0123456789", "Some CPU",
-                 "1 thread(s), float32", "2026-12-02 03:00 UTC", "| 0 | copy | 0 | 1 | spec | 8 | 27.5 | 1.72 | 1.80 | 3.20 | 6/6 |"):
+                 "1 thread(s), float32", "2026-12-02 03:00 UTC", "| 0: concurrency=1 | copy | 0 | 1 | spec | 8 | 27.5 | 1.72 | 1.80 | 3.20 | 6/6 |"):
         assert part in table, part
     del meta["machine"]
     (job / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="run it again"):
         report.question_table(tmp_path)
+
+
+def test_rendering_a_page_again_replaces_its_tables_and_keeps_its_notes(tmp_path):
+    """``--table`` on an existing page: what follows its notes line (the prose) survives, the rest is new."""
+    from specdec.provenance import NOTES, with_kept_notes
+
+    page = tmp_path / "q.md"
+    assert with_kept_notes(page, "# table v1\n") == "# table v1\n\n" + NOTES + "\n"  # a new page gets the line
+    page.write_text("# table v1\n| old |\n\n" + NOTES + "\n\nWhat the old table means.\n")
+    again = with_kept_notes(page, "# table v2\n| new |\n")
+    assert again.startswith("# table v2\n| new |") and "| old |" not in again
+    assert again.endswith(NOTES + "\n\nWhat the old table means.\n")

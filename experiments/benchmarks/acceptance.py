@@ -18,6 +18,13 @@ without either verifier's sampling noise::
 
     python experiments/bench.py acceptance --preset block_vs_rejection --dataset humaneval --temperature 1 \
         --compare-block --k 2 4 7 --prompts 16 --out <folder>
+
+``--dataset stdlib --context N [N ...]`` asks how acceptance moves with the prompt's length: held-out
+standard-library code cut to each N tokens (continued into the next held-out files where one is
+short), one table row per context, method and k::
+
+    python experiments/bench.py acceptance --preset context_length --methods eagle3 eagle3_window dspark \
+        --dataset stdlib --context 128 1024 4000 7500 --prompts 2 --k 4 --max-new-tokens 32 --out <folder>
 """
 
 from __future__ import annotations
@@ -62,6 +69,16 @@ def held_out_prompts(target: Target, n: int, dataset: str = "mtbench") -> list[l
     return [encode_turn(target, s, 0, [], chat=True) for s in samples]
 
 
+def stdlib_prompts(target: Target, n: int, context: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``context`` token ids of held-out standard-library code (never trained on)."""
+    samples = load_dataset(DatasetConfig(name="stdlib", num_prompts=n, input_len=context), target.tokenizer)
+    prompts = [list(s.prompt_ids or []) for s in samples]
+    short = [len(p) for p in prompts if len(p) != context]
+    if short:
+        raise ValueError(f"the held-out standard library gave prompts of {short} tokens, not {context}")
+    return prompts
+
+
 def acceptance(target: Target, methods: dict[str, Method], prompts: list[list[int]], ks: list[int],
                max_new_tokens: int, temperature: float = 0.0, compare_block: bool = False) -> list[dict[str, Any]]:
     """One row per method and k: mean accepted length, acceptance per depth, outputs equal to AR
@@ -101,12 +118,14 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
                          f"{r['expected_token_wise']:.3f} | {r['expected_block']:.3f} | {gain:+.3f} | "
                          f"{r['mean_accepted_length']:.2f} |")
         return "\n".join(lines) + "\n"
-    lines = [header, "", "| method | drafter | k | mean accepted length | acceptance at depths 1..k | identical to AR |",
-             "|---|---|---:|---:|---|---:|"]
+    ctx = bool(rows) and "context" in rows[0]
+    lines = [header, "", ("| context |" if ctx else "|") + " method | drafter | k | mean accepted length | "
+             "acceptance at depths 1..k | identical to AR |", ("|---:|" if ctx else "|") + "---|---|---:|---:|---|---:|"]
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["acceptance_at"])
         same = "-" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
-        lines.append(f"| {r['method']} | {r['drafter']} | {r['k']} | {r['mean_accepted_length']:.2f} | {acc} | {same} |")
+        lines.append((f"| {r['context']:,} |" if ctx else "|") + f" {r['method']} | {r['drafter']} | {r['k']} | "
+                     f"{r['mean_accepted_length']:.2f} | {acc} | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,7 +134,9 @@ def main() -> None:
     ap.add_argument("--preset", required=True, help="an experiments/conf preset whose methods to measure")
     ap.add_argument("--methods", nargs="*", default=None, help="only these of its methods")
     ap.add_argument("--prompts", type=int, default=HELD_OUT["mtbench"], help="held-out prompts")
-    ap.add_argument("--dataset", choices=["mtbench", "humaneval"], default="mtbench")
+    ap.add_argument("--dataset", choices=["mtbench", "humaneval", "stdlib"], default="mtbench")
+    ap.add_argument("--context", type=int, nargs="+", default=None,
+                    help="stdlib only: prompt lengths in tokens, one table row per context, method and k")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, request i seeded i")
     ap.add_argument("--compare-block", action="store_true",
                     help="verify with block and compare its expected accepted length with rejection's on the same drafts")
@@ -129,20 +150,35 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--methods {unknown} are not in preset {args.preset!r} ({sorted(methods)})")
     methods = {n: m for n, m in methods.items() if not args.methods or n in args.methods}
-    target = load_target("smollm2-135m", threads=args.threads)
     if args.compare_block and args.temperature == 0:
         raise SystemExit("--compare-block needs --temperature above 0: at temperature 0 both verifiers are the argmax rule")
-    prompts = held_out_prompts(target, args.prompts, args.dataset)
-    rows = acceptance(target, methods, prompts, args.k, args.max_new_tokens, args.temperature, args.compare_block)
+    if (args.dataset == "stdlib") != (args.context is not None):
+        raise SystemExit("--context goes with --dataset stdlib, and --dataset stdlib needs --context")
+    if args.context is not None and min(args.context) < 1:
+        raise SystemExit(f"--context must be positive token counts, got {args.context}")
+    target = load_target("smollm2-135m", threads=args.threads)
+    if args.context is None:
+        prompts = held_out_prompts(target, args.prompts, args.dataset)
+        rows = acceptance(target, methods, prompts, args.k, args.max_new_tokens, args.temperature, args.compare_block)
+    else:
+        rows = []
+        for n in args.context:
+            prompts = stdlib_prompts(target, args.prompts, n)
+            for row in acceptance(target, methods, prompts, args.k, args.max_new_tokens, args.temperature,
+                                  args.compare_block):
+                rows.append(dict(row, context=n))
+                print(markdown(rows[-1:], f"context {n}"), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python experiments/bench.py acceptance " + " ".join(
         [f"--preset {args.preset}", f"--prompts {args.prompts}", "--k " + " ".join(map(str, args.k)),
          f"--max-new-tokens {args.max_new_tokens}"] + (["--methods " + " ".join(args.methods)] if args.methods else [])
         + ([f"--dataset {args.dataset}"] if args.dataset != "mtbench" else [])
+        + (["--context " + " ".join(map(str, args.context))] if args.context else [])
         + ([f"--temperature {args.temperature:g}"] if args.temperature else [])
         + (["--compare-block"] if args.compare_block else []))
     (args.out / "acceptance.json").write_text(json.dumps(dict(command=command, revision=git_sha(), rows=rows), indent=1))
-    what = {"mtbench": "MT-bench first turns", "humaneval": "HumanEval prompts"}[args.dataset]
+    what = {"mtbench": "MT-bench first turns", "humaneval": "HumanEval prompts",
+            "stdlib": "standard-library code prompts at each context"}[args.dataset]
     how = f"temperature {args.temperature:g}, request i seeded i" if args.temperature else "greedy"
     header = (f"`{command}` (revision {git_sha()[:10]}): smollm2-135m fp32, {len(prompts)} held-out {what} "
               f"decoded as one batch, {args.max_new_tokens} new tokens, {how}")

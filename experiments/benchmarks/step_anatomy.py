@@ -12,7 +12,8 @@ Two tables (markdown, on stdout; ``--out`` also writes them with the raw numbers
 2. **Anatomy**: ``Target.forward`` over m new tokens after ``--context`` committed ones, as the
    loop verifies a chain (the block dropped after each timing), wall time per forward and a
    ``torch.profiler`` split of the same forwards into the linear products, attention and every
-   other op; what the profiler does not see is Python between the ops.
+   other op; what the profiler does not see is Python between the ops. Last, the wall time of
+   the same forward over a context with holes (a rejected block's slots), which attention masks.
 """
 
 from __future__ import annotations
@@ -58,17 +59,20 @@ def products(weights: list[torch.Tensor], row_counts: list[int], reps: int) -> d
     return out
 
 
-def anatomy(target, context: int, m: int, reps: int) -> dict[str, float]:
-    """ms per forward of m chain tokens after ``context`` committed ones: wall, and a profile's split."""
-    session = target.new_session(1, reserve=context + m)
+def anatomy(target, context: int, m: int, reps: int, masked: bool = False) -> dict[str, float]:
+    """ms per forward of m chain tokens after ``context`` committed ones: wall, and a profile's split.
+    ``masked``: the context holds a rejected block's holes (rows that accepted differently, or a
+    tree), so attention reads a mask; otherwise the store is dense, as at batch 1 with chains."""
+    session = target.new_session(1, reserve=context + 2 * m)
     target.prefill(session, [list(range(100, 100 + context))])
     block = torch.arange(5, 5 + m).unsqueeze(0)
+    if masked:
+        target.forward(session, block)
+        target.commit(session, torch.zeros(1, m, dtype=torch.bool))  # m holes: the store is no longer dense
 
     def step() -> None:
         target.forward(session, block)
-        target.commit(session, torch.zeros(1, m, dtype=torch.bool))  # dropped: the same context every time
-        session.cache.compact()
-        session.cache.refresh_dense()
+        target.commit(session, 0)  # the block dropped outright: the same context every time
 
     walls = measure(step, reps, warmup=3).samples
     with profile() as prof:
@@ -98,25 +102,28 @@ def main() -> None:
     with torch.inference_mode():
         table = products(weights, ms, args.reps)
         parts = {m: anatomy(target, args.context, m, args.reps) for m in ms}
+        masked = {m: anatomy(target, args.context, m, args.reps, masked=True)["wall_ms"] for m in ms}
     lines = [f"{args.model}, {len(weights)} linear layers ({mb:.0f} MB fp32), {args.threads} thread(s); "
              f"ms per pass over all of them, best of {args.reps}", "",
              "| product | " + " | ".join(f"{m} rows" for m in ms) + " |", "|---|" + "---:|" * len(ms)]
     lines += [f"| {name} | " + " | ".join(f"{t:.1f}" for t in row) + " |" for name, row in table.items()]
     lines += ["", f"`Target.forward` over m chain tokens after {args.context} committed ones (ms per forward; "
               "`outside ops`: wall minus everything the profiler timed)", "",
-              "| m | wall | t(m)/t(1) | linear products | attention | other ops | outside ops |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+              "| m | wall | t(m)/t(1) | linear products | attention | other ops | outside ops | wall, context with holes (masked) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     first = parts[ms[0]]["wall_ms"]
     for m, p in parts.items():
         lines.append(f"| {m} | {p['wall_ms']:.1f} | {p['wall_ms'] / first:.2f} | {p['linear_ms']:.1f} | "
-                     f"{p['attention_ms']:.1f} | {p['other_ops_ms']:.1f} | {p['wall_ms'] - p['profiled_ms']:.1f} |")
+                     f"{p['attention_ms']:.1f} | {p['other_ops_ms']:.1f} | {p['wall_ms'] - p['profiled_ms']:.1f} | "
+                     f"{masked[m]:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "anatomy.md").write_text(text + "\n")
         (args.out / "anatomy.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                           "products": table, "anatomy": parts}, indent=2) + "\n")
+                                                           "products": table, "anatomy": parts,
+                                                           "masked_wall_ms": masked}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

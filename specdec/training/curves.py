@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specdec.provenance import with_kept_notes
+
 __all__ = ["FAMILIES", "parts", "part_command", "decode", "collect", "main"]
 
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
@@ -203,7 +205,6 @@ def report(a: argparse.Namespace) -> None:
                      for n in ("mtbench", "humaneval")]
             rows.append(f"| {f} | {p['tokens']:,} | {p['steps']} | {p['wall_seconds']:.0f} | {cells[0]} | {cells[1]} |")
     page = out.with_suffix(".md")
-    notes = page.read_text().split(NOTES, 1)[1] if page.is_file() and NOTES in page.read_text() else "\n"
     first = next((p["command"] for pts in data.values() for p in pts), "")
     text = "\n".join([
         "# Learning curves from the feature store", "",
@@ -216,12 +217,10 @@ def report(a: argparse.Namespace) -> None:
         "point). MAL: mean accepted length of greedy chain decoding at k = 4 on held-out prompts (the first",
         "8 MT-bench first turns, the first 8 HumanEval problems, 48 new tokens), through the library's loop;",
         "acceptance 1..k: the share of steps that drafted that deep whose draft at that position was accepted.",
-        "", "![learning curves](learning_curves.png)", ""] + rows) + "\n\n" + NOTES + notes
+        "", "![learning curves](learning_curves.png)", ""] + rows)
+    text = with_kept_notes(page, text)
     page.write_text(text)
     print(text)
-
-
-NOTES = "<!-- notes: kept when the page is regenerated -->"
 
 
 def _git_sha() -> str:
