@@ -47,9 +47,10 @@ XDIST ?= -n 2 --dist worksteal
 test-fast: setup
 	$(VENV)/bin/pytest -m "not slow" $(XDIST) --durations=15
 
-# The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints.
+# The real SmolLM2-135M, the notebook, kernel compilation, the committed SmolLM2 checkpoints; over
+# both cores like the fast tier (each test runs torch on one thread).
 test-slow: setup
-	$(VENV)/bin/pytest -m slow --durations=15
+	$(VENV)/bin/pytest -m slow $(XDIST) --durations=15
 
 # One question (every job of its sweep), then its report with per-request tables (in multirun/<question>/)
 $(addprefix bench-,$(BENCHES)): bench-%: setup
