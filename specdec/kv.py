@@ -312,23 +312,24 @@ class KVStore:
         if any(a >= b for a, b in zip(keep, keep[1:])):
             self._move(self.capacity, on_dev)
         else:
-            shifts, S = [(i, r) for i, r in enumerate(keep) if i != r], self.num_slots
-            first = shifts[0][0] if shifts else len(keep)  # rows before it stay where they are
-            moved = on_dev[first:]
+            shifts, S, n = [(i, r) for i, r in enumerate(keep) if i != r], self.num_slots, len(keep)
+
+            def shift_down(x: Tensor, dim: int) -> None:
+                """The kept rows of ``x``'s used slots (along ``dim``) moved down in place: one copy
+                per row for a few, one gather for many (a large batch retiring)."""
+                used = x.narrow(dim, 0, S)
+                if len(shifts) <= self.ROW_COPIES:
+                    for i, r in shifts:
+                        used[i].copy_(used[r])
+                else:  # the rows from the first that moves on, gathered (a copy) and written back
+                    used[shifts[0][0]: n] = used[on_dev[shifts[0][0]:]]
+
             for buffers in (self._keys, self._values):
                 for j, x in enumerate(buffers):
                     if x is not None:
-                        if len(shifts) <= self.ROW_COPIES:
-                            for i, r in shifts:
-                                x[i, :, :S].copy_(x[r, :, :S])
-                        elif shifts:  # many rows (a large batch retiring): one gather, one copy
-                            x[first: len(keep), :, :S] = x[moved, :, :S]
-                        buffers[j] = x[: len(keep)]  # a view: the rows past it are freed at the next reallocation
-            if len(shifts) <= self.ROW_COPIES:
-                for i, r in shifts:
-                    self._valid[i, :S], self._slot_pos[i, :S] = self._valid[r, :S], self._slot_pos[r, :S]
-            elif shifts:
-                self._valid[first: len(keep), :S] = self._valid[moved, :S]
-                self._slot_pos[first: len(keep), :S] = self._slot_pos[moved, :S]
-            self._valid, self._slot_pos = self._valid[: len(keep)], self._slot_pos[: len(keep)]
+                        shift_down(x, 2)
+                        buffers[j] = x[:n]  # a view: the rows past it are freed at the next reallocation
+            shift_down(self._valid, 1)
+            shift_down(self._slot_pos, 1)
+            self._valid, self._slot_pos = self._valid[:n], self._slot_pos[:n]
         self.lengths = self.lengths[on_dev]

@@ -182,10 +182,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 if "smollm2" in getattr(i, "fixturenames", ()) and not i.get_closest_marker("slow")]
     if unmarked:
         raise pytest.UsageError(f"tests using the real SmolLM2 must be marked slow: {unmarked}")
-    dropped = [i for i in items if _gemma4_beyond_the_first_setting(i)]
-    if dropped:  # reported as deselected, with the reason above
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [i for i in items if not _gemma4_beyond_the_first_setting(i)]
+    beyond = [_gemma4_beyond_the_first_setting(i) for i in items]
+    if any(beyond):  # reported as deselected, with the reason above
+        config.hook.pytest_deselected(items=[i for i, b in zip(items, beyond) if b])
+        items[:] = [i for i, b in zip(items, beyond) if not b]
 
 
 @pytest.fixture(scope="session")

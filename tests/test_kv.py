@@ -105,8 +105,10 @@ def test_a_layer_writes_every_block_from_the_first():
         store.write(0, torch.zeros(B, H, 2, D), torch.zeros(B, H, 2, D))
 
 
+@pytest.mark.parametrize("row_copies", [8, 0])  # rows moved down one copy each, or by one gather
 @pytest.mark.parametrize("kept", [[2, 0], [0, 2], [1, 2]])  # reallocated; moved down in place
-def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache(kept):
+def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache(kept, row_copies, monkeypatch):
+    monkeypatch.setattr(KVStore, "ROW_COPIES", row_copies)
     store, ref = KVStore(B, "cpu", torch.float32, num_layers=2), ConcatReference(B)
     gen = torch.Generator().manual_seed(2)
     tree = torch.tensor([[-1, 0, 0, 1, 2]]).expand(B, -1)
