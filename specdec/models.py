@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,10 +82,16 @@ def _from_gguf(alias: str) -> Path:
     model.hf_quantizer = None  # dequantised already; save_pretrained refuses a "quantized" model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out.with_name(out.name + ".partial")
+    # a per-process name: several processes (torchrun, xdist) may convert at once on a fresh machine
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process renamed its copy first: theirs is complete, ours is surplus
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -279,6 +279,12 @@ class Target:
             attn.store_full_length_kv = False  # a new layer has none, and its K/V live in its cache alone
         return layer
 
+    def layer_weights(self, i: int) -> dict[str, Tensor]:
+        """A detached copy of decoder layer ``i``'s parameters and buffers (negative counts from the
+        end), keyed as :meth:`new_layer`'s layer names them: a draft layer of the target's own shape
+        may start from it."""
+        return {k: v.detach().clone() for k, v in self.layers[range(self.num_layers)[i]].state_dict().items()}
+
     def new_norm(self, size: int, eps: float) -> nn.Module:
         """A final-norm module of the target's family (RMSNorm, Gemma's (1 + w) form ...), as its
         constructor leaves it (see :meth:`new_layer`)."""

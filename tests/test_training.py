@@ -356,6 +356,22 @@ def test_mtp_recipe_over_a_draft_vocabulary_reads_those_rows_and_counts_labels_i
             load_recipe(RECIPES["mtp"][0], bad)
 
 
+def test_mtp_recipe_can_start_its_layer_as_a_copy_of_the_targets_last_layer(tiny_target):
+    """The lever ``init_layer="last"``: every weight of the MTP layer equals the target's last layer's
+    (which a random start does not), and the copy is the module's own (training it leaves the target's alone)."""
+    last = tiny_target.layer_weights(-1)
+    copied = load_recipe(RECIPES["mtp"][0], dict(depth=1, init_layer="last")).build(tiny_target, None)  # type: ignore[arg-type]
+    fresh = load_recipe(RECIPES["mtp"][0], dict(depth=1)).build(tiny_target, None)  # type: ignore[arg-type]
+    for name, w in copied[0].mtp_block.state_dict().items():
+        torch.testing.assert_close(w, last[name].float())
+    assert any(not torch.equal(w, last[n].float()) for n, w in fresh[0].mtp_block.state_dict().items())
+    with torch.no_grad():
+        next(copied[0].mtp_block.parameters()).add_(1.0)
+    torch.testing.assert_close(tiny_target.layer_weights(-1), last)
+    with pytest.raises(ValueError, match="init_layer"):
+        load_recipe(RECIPES["mtp"][0], dict(init_layer="first"))
+
+
 def test_mtp_recipe_trains_with_the_kl_loss_over_a_draft_vocabulary(tiny_target, tmp_path, cache):
     """End to end: the KL recipe over a draft vocabulary trains, its held-out figures are KL, and the
     checkpoint drafts losslessly through the drafter over the same vocabulary."""

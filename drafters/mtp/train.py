@@ -140,10 +140,13 @@ class PostHocMTPOptions:
     loss: str = "ce"  # "ce": DeepSeek-V3's, on the sequence's tokens; "kl": forward KL to the target's distribution
     token_map: str = ""  # softmaxes over this token map's ids only (specdec.draft_vocab), as the drafter drafts
     draft_vocab: int = 0  # ... its first this many (0: all)
+    init_layer: str = "random"  # "random": as the target initialises; "last": a copy of the target's last layer
 
     def __post_init__(self) -> None:
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+        if self.init_layer not in ("random", "last"):
+            raise ValueError(f"init_layer must be 'random' or 'last', got {self.init_layer!r}")
         if not isinstance(self.token_map, str):
             raise TypeError(f"token_map must be a token map file's path, got {type(self.token_map).__name__}")
         as_int("draft_vocab", self.draft_vocab, minimum=0)
@@ -171,6 +174,8 @@ class PostHocMTPRecipe(Recipe):
             for m in modules:
                 m.eh_proj.weight.zero_()
                 m.eh_proj.weight[:, H:] = torch.eye(H, device=m.eh_proj.weight.device)
+                if self.options.init_layer == "last":  # the lever: start where the target's own last layer is
+                    m.mtp_block.load_state_dict({k: v.float() for k, v in target.layer_weights(-1).items()})
         o = self.options
         vocab = draft_vocabulary(o.token_map or None, o.draft_vocab, target.vocab_size)
         self.target, self.head, self.vocab_index = target, head_rows(target, vocab), None
