@@ -244,3 +244,23 @@ def test_curve_parts_are_consecutive_store_ranges_ending_at_each_point():
     lengths, held = [10, 10, 10, 10, 10, 10, 10], [False, True, False, False, False, False, False]
     assert parts(lengths, held, [15, 30, 100]) == [(0, 3, 20), (3, 1, 10)]  # the held-out row counts no tokens
     assert parts(lengths, held, [60]) == [(0, 7, 60)] and parts(lengths, held, [61]) == []
+
+
+def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
+    from specdec.training.curves import collect, part_command, run_name
+
+    plain = part_command("eagle3", "st", "runs", 1, 10, 5, 3, 4, 16, 1)
+    lever = part_command("eagle3", "st", "runs", 1, 10, 5, 3, 4, 16, 1, "ttt3", ("options.ttt_steps=3",))
+    assert plain[-1] == "init=runs/eagle3/p0" and lever[-1] == "init=runs/eagle3@ttt3/p0"
+    assert lever.index("options.ttt_steps=3") > lever.index("options.draft_vocab=4096")  # Hydra: the last one wins
+    assert [a for a in lever if a.startswith("out=")] == ["out=runs/eagle3@ttt3/p1"]
+    assert set(plain) ^ set(lever) == {"options.ttt_steps=3", "out=runs/eagle3/p1", "work=runs/eagle3/p1-work",
+                                       "init=runs/eagle3/p0", "out=runs/eagle3@ttt3/p1",
+                                       "work=runs/eagle3@ttt3/p1-work", "init=runs/eagle3@ttt3/p0"}
+    with pytest.raises(ValueError, match="variant"):
+        run_name("eagle3", "../x")
+    for name in ("eagle3", "eagle3@ttt3", "mtp"):
+        (tmp_path / name / "p0").mkdir(parents=True)
+        (tmp_path / name / "p0" / "training.json").write_text(json.dumps(
+            {"tokens": 100, "steps": 2, "wall_seconds": 1.0, "held_out": {}, "command": name}))
+    assert list(collect(tmp_path, ("eagle3", "mtp"))) == ["eagle3", "eagle3@ttt3", "mtp"]

@@ -32,7 +32,7 @@ from typing import Any
 
 from specdec.provenance import with_kept_notes
 
-__all__ = ["FAMILIES", "parts", "part_command", "decode", "collect", "main"]
+__all__ = ["FAMILIES", "parts", "run_name", "part_command", "decode", "collect", "main"]
 
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
 # per family: the label is the target's own distribution where the recipe offers it (forward KL); the
@@ -74,16 +74,25 @@ def parts(lengths: list[int], held: list[bool], points: list[int]) -> list[tuple
     return out
 
 
+def run_name(family: str, variant: str = "") -> str:
+    """The folder of a family's curve, or of a lever tried on it (``eagle3@ttt3``)."""
+    if variant and not variant.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"a variant is a short name of letters, digits, '-' and '_', got {variant!r}")
+    return f"{family}@{variant}" if variant else family
+
+
 def part_command(family: str, store: str, runs: str, i: int, skip: int, use: int, steps: int, batch: int,
-                 eval_sequences: int, threads: int) -> list[str]:
-    """The one training command of part ``i`` of ``family`` (from the repository root)."""
+                 eval_sequences: int, threads: int, variant: str = "", overrides: tuple[str, ...] = ()) -> list[str]:
+    """The one training command of part ``i`` of ``family`` (from the repository root); a ``variant``
+    (a lever) adds its Hydra ``overrides`` after the family's own and writes beside the plain curve."""
+    name = run_name(family, variant)
     cmd = [sys.executable, "experiments/train.py", "--config-name", f"smollm2_{family}", f"data.store={store}",
            f"data.skip={skip}", f"data.use={use}", "data.held_out_every=20", "data.feature_dtype=float32",
            "optim.bf16=false", f"optim.batch={batch}", f"optim.steps={steps}", "optim.warmup=0.05",
            f"eval_sequences={eval_sequences}", "save_every=5", f"threads={threads}", "progress=false",
-           *OPTIONS[family], f"out={runs}/{family}/p{i}", f"work={runs}/{family}/p{i}-work"]
+           *OPTIONS[family], *overrides, f"out={runs}/{name}/p{i}", f"work={runs}/{name}/p{i}-work"]
     if i > 0:
-        cmd.append(f"init={runs}/{family}/p{i - 1}")
+        cmd.append(f"init={runs}/{name}/p{i - 1}")
     return cmd
 
 
@@ -138,10 +147,12 @@ def run(a: argparse.Namespace) -> None:
         n_train = sum(1 for j in range(skip, skip + use) if not _store_lengths(Path(a.store))[1][j])
         steps = max(1, -(-n_train // a.batch))
         for family in a.families:
-            out = runs / family / f"p{i}"
+            name = run_name(family, a.variant)
+            out = runs / name / f"p{i}"
             if not (out / "training.json").is_file():
-                cmd = part_command(family, a.store, a.runs, i, skip, use, steps, a.batch, a.eval_sequences, a.threads)
-                if (runs / family / f"p{i}-work" / "state.safetensors").is_file():
+                cmd = part_command(family, a.store, a.runs, i, skip, use, steps, a.batch, a.eval_sequences, a.threads,
+                                   a.variant, tuple(a.set))
+                if (runs / name / f"p{i}-work" / "state.safetensors").is_file():
                     cmd.append("resume=true")
                 print("$", shlex.join(cmd), flush=True)
                 subprocess.run(cmd, check=True)
@@ -153,14 +164,16 @@ def run(a: argparse.Namespace) -> None:
                 found = decode(target, family, out, prompts, a.k, a.max_new_tokens)  # type: ignore[arg-type]
                 found.update(point=p, part=i, part_tokens=tokens, steps=steps)
                 (out / "decoded.json").write_text(json.dumps(found, indent=1))
-                print(family, f"p{i}", json.dumps({n: found[n]["mean_accepted_length"] for n in prompts}), flush=True)
+                print(name, f"p{i}", json.dumps({n: found[n]["mean_accepted_length"] for n in prompts}), flush=True)
 
 
 def collect(runs: Path, families: tuple[str, ...] = FAMILIES) -> dict[str, list[dict[str, Any]]]:
-    """Per family, its points in order: tokens seen, steps, wall seconds, the recipe's held-out
-    estimate, the decoded figures and the part's command."""
+    """Per run (each family's curve, then the levers tried on it, ``family@variant``), its points in
+    order: tokens seen, steps, wall seconds, the recipe's held-out estimate, the decoded figures and
+    the part's command."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for f in families:
+    names = [n for f in families for n in [f, *sorted(p.name for p in runs.glob(f"{f}@*") if p.is_dir())]]
+    for f in names:
         seen, steps, wall = 0, 0, 0.0
         for part in sorted((runs / f).glob("p*/training.json"), key=lambda q: int(q.parent.name[1:])):
             rec = json.loads(part.read_text())
@@ -187,7 +200,7 @@ def report(a: argparse.Namespace) -> None:
         for f, pts in data.items():
             xs = [p["tokens"] for p in pts if p["decoded"]]
             ys = [p["decoded"][name]["mean_accepted_length"] for p in pts if p["decoded"]]
-            ax.plot(xs, ys, marker="o", label=f)
+            ax.plot(xs, ys, marker="o", label=f, ls="--" if "@" in f else "-")  # dashed: a lever
         ax.set(xscale="log", xlabel="training tokens seen", ylabel="mean accepted length (greedy, chain k=4)",
                title=f"held-out {'MT-bench' if name == 'mtbench' else 'HumanEval'}")
         ax.grid(alpha=0.3, which="both")
@@ -262,7 +275,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--poll", type=float, default=60.0, help="seconds between looks at a filling store")
     ap.add_argument("--out", default="docs/results/learning_curves")
+    ap.add_argument("--variant", default="", help="a lever tried on the families: runs go to <runs>/<family>@<variant>")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="the variant's Hydra overrides, after the family's own (e.g. options.ttt_steps=3)")
     a = ap.parse_args(argv)
+    if bool(a.variant) != bool(a.set):
+        ap.error("--variant and --set go together: a lever has a name and its overrides")
     run(a) if a.action == "run" else report(a)
 
 
