@@ -264,3 +264,12 @@ def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
         (tmp_path / name / "p0" / "training.json").write_text(json.dumps(
             {"tokens": 100, "steps": 2, "wall_seconds": 1.0, "held_out": {}, "command": name}))
     assert list(collect(tmp_path, ("eagle3", "mtp"))) == ["eagle3", "eagle3@ttt3", "mtp"]
+
+
+def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
+    from specdec.training.curves import tokens_to_reach
+
+    slope, need = tokens_to_reach([(10_000, 1.1), (100_000, 1.2), (1_000_000, 1.3)], 2.5)
+    assert slope == pytest.approx(0.1) and need == pytest.approx(1e6 * 10 ** 12, rel=1e-6)  # 1.2 more at 0.1/decade
+    assert tokens_to_reach([(10_000, 1.2), (100_000, 1.1)], 2.5) == (pytest.approx(-0.1), None)  # falling: never
+    assert tokens_to_reach([(10_000, 1.2)], 2.5) == (0.0, None)

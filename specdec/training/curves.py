@@ -32,7 +32,7 @@ from typing import Any
 
 from specdec.provenance import with_kept_notes
 
-__all__ = ["FAMILIES", "parts", "run_name", "part_command", "decode", "collect", "main"]
+__all__ = ["FAMILIES", "parts", "run_name", "part_command", "tokens_to_reach", "decode", "collect", "main"]
 
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
 # per family: the label is the target's own distribution where the recipe offers it (forward KL); the
@@ -185,6 +185,26 @@ def collect(runs: Path, families: tuple[str, ...] = FAMILIES) -> dict[str, list[
     return out
 
 
+def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float, float | None]:
+    """(slope per decade, tokens) of a least-squares line of mean accepted length against log10
+    tokens seen, extrapolated to ``aim``: how far a curve's own trend would have to run. ``None``
+    when the trend does not rise (or fewer than two points): no number of tokens reaches it."""
+    import math
+
+    if len(points) < 2:
+        return 0.0, None
+    xs, ys = [math.log10(t) for t, _ in points], [m for _, m in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:
+        return slope, None
+    return slope, 10 ** (mx + (aim - my) / slope)
+
+
+AIM_MAL = 2.5  # the issue's aim: mean accepted length at the best k
+
+
 def report(a: argparse.Namespace) -> None:
     import matplotlib
 
@@ -217,6 +237,17 @@ def report(a: argparse.Namespace) -> None:
             cells = [f"{d[n]['mean_accepted_length']:.2f} | {' '.join(f'{x:.2f}' for x in d[n]['acceptance_at'])}"
                      for n in ("mtbench", "humaneval")]
             rows.append(f"| {f} | {p['tokens']:,} | {p['steps']} | {p['wall_seconds']:.0f} | {cells[0]} | {cells[1]} |")
+    rows += ["", f"**Tokens to the aim, by each curve's own trend** (a least-squares line of MAL against log10 tokens "
+             f"seen over the curve's points, extrapolated to MAL {AIM_MAL}; a trend, not a promise):", "",
+             "| drafter | points | MT-bench MAL gain per 10x tokens | MT-bench tokens to MAL 2.5 | "
+             "HumanEval MAL gain per 10x tokens | HumanEval tokens to MAL 2.5 |", "|---|---:|---:|---:|---:|---:|"]
+    for f, pts in data.items():
+        done = [p for p in pts if p["decoded"]]
+        cells = []
+        for n in ("mtbench", "humaneval"):
+            slope, need = tokens_to_reach([(p["tokens"], p["decoded"][n]["mean_accepted_length"]) for p in done], AIM_MAL)
+            cells.append(f"{slope:+.3f} | {'never on this trend' if need is None else f'{need:.1e}'}")
+        rows.append(f"| {f} | {len(done)} | {cells[0]} | {cells[1]} |")
     page = out.with_suffix(".md")
     first = next((p["command"] for pts in data.values() for p in pts), "")
     text = "\n".join([
