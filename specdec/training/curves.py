@@ -203,6 +203,13 @@ def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float,
 
 
 AIM_MAL = 2.5  # the aim: mean accepted length at the best k
+BEYOND = 1e15  # tokens past which an extrapolation names no data set that exists (the papers train on 1e7-1e8)
+
+
+def _tokens(need: float | None) -> str:
+    if need is None:
+        return "never on this trend"
+    return f"> {BEYOND:.0e}" if need > BEYOND else f"{need:.1e}"
 
 
 def report(a: argparse.Namespace) -> None:
@@ -246,7 +253,7 @@ def report(a: argparse.Namespace) -> None:
         cells = []
         for n in ("mtbench", "humaneval"):
             slope, need = tokens_to_reach([(p["tokens"], p["decoded"][n]["mean_accepted_length"]) for p in done], AIM_MAL)
-            cells.append(f"{slope:+.3f} | {'never on this trend' if need is None else f'{need:.1e}'}")
+            cells.append(f"{slope:+.3f} | {_tokens(need)}")
         rows.append(f"| {f} | {len(done)} | {cells[0]} | {cells[1]} |")
     page = out.with_suffix(".md")
     first = next((p["command"] for pts in data.values() for p in pts), "")
