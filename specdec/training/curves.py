@@ -217,6 +217,7 @@ def report(a: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     data = collect(Path(a.runs), tuple(a.families))
     out = Path(a.out)
@@ -227,9 +228,15 @@ def report(a: argparse.Namespace) -> None:
         for f, pts in data.items():
             xs = [p["tokens"] for p in pts if p["decoded"]]
             ys = [p["decoded"][name]["mean_accepted_length"] for p in pts if p["decoded"]]
-            ax.plot(xs, ys, marker="o", label=f, ls="--" if "@" in f else "-")  # dashed: a lever
+            family = f.split("@", 1)[0]
+            lever = sum(1 for g in list(data)[:list(data).index(f)] if g.split("@", 1)[0] == family)  # 0: the plain curve
+            ax.plot(xs, ys, marker="os^vD"[lever % 5], label=f, ls="--" if lever else "-",  # a lever: dashed, its family's colour
+                    color=f"C{FAMILIES.index(family) if family in FAMILIES else len(FAMILIES)}")
         ax.set(xscale="log", xlabel="training tokens seen", ylabel="mean accepted length (greedy, chain k=4)",
                title=f"held-out {'MT-bench' if name == 'mtbench' else 'HumanEval'}")
+        ticks = sorted({p["tokens"] for pts in data.values() for p in pts if p["decoded"]})
+        ax.set_xticks(ticks, [f"{t / 1e3:.0f}k" if t < 1e6 else f"{t / 1e6:.1f}M" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
