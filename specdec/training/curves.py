@@ -253,8 +253,8 @@ def report(a: argparse.Namespace) -> None:
             rows.append(f"| {f} | {p['tokens']:,} | {p['steps']} | {p['wall_seconds']:.0f} | {cells[0]} | {cells[1]} |")
     rows += ["", f"**Tokens to the aim, by each curve's own trend** (a least-squares line of MAL against log10 tokens "
              f"seen over the curve's points, extrapolated to MAL {AIM_MAL}; a trend, not a promise):", "",
-             "| drafter | points | MT-bench MAL gain per 10x tokens | MT-bench tokens to MAL 2.5 | "
-             "HumanEval MAL gain per 10x tokens | HumanEval tokens to MAL 2.5 |", "|---|---:|---:|---:|---:|---:|"]
+             f"| drafter | points | MT-bench MAL gain per 10x tokens | MT-bench tokens to MAL {AIM_MAL} | "
+             f"HumanEval MAL gain per 10x tokens | HumanEval tokens to MAL {AIM_MAL} |", "|---|---:|---:|---:|---:|---:|"]
     for f, pts in data.items():
         done = [p for p in pts if p["decoded"]]
         cells = []
