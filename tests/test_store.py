@@ -155,6 +155,18 @@ def test_a_store_resumes_and_refuses_another_target_or_other_layers(tiny_target,
         train(cfg, target=tiny_target)
 
 
+def test_a_store_refuses_a_resume_in_another_compute_dtype(tmp_path):
+    """Weights exact in bf16 hash alike in both dtypes, so only the compute dtype tells the rows apart."""
+    target = Target(tiny_model("llama", vocab_size=V, init_scale=0.3, seed=0).to(torch.bfloat16).float())
+    seqs, needs = sequences(), StoreNeeds(layers=(1,), kv=())
+    made = make_store(target, tmp_path / "s", seqs, needs, max_tokens=40)
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["compute_dtype"] == "float32"
+    target.model.to(torch.bfloat16)
+    with pytest.raises(StoreMismatch, match="compute_dtype='float32'.*'bfloat16'"):
+        make_store(target, tmp_path / "s", seqs, needs)
+    assert FeatureStore(tmp_path / "s").num_tokens == made.num_tokens
+
+
 def _write_in_process(target: Target, folder: Path, seqs: list[TokenSeq], needs: StoreNeeds) -> None:
     """One of two processes: accelerate's debug launcher joins them in a gloo group but names no
     rank in the environment, where PartialState reads it; without it (or on a CPU target without
@@ -215,8 +227,8 @@ def test_a_recipe_trained_from_the_store_matches_one_trained_online(name, tiny_t
     assert stored.record.tokens == online.record.tokens and stored.record.steps == 3
     a, b = online.model.state_dict(), stored.model.state_dict()
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{name} {k}: {m}")
+    for k in a:  # atol: 1/30 of one Adam step (lr); a weight whose gradient is ~0 can move by float reordering
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{name} {k}: {m}")
     assert stored.record.held_out["loss"] == pytest.approx(online.record.held_out["loss"], rel=1e-4)
 
 

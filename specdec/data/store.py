@@ -310,17 +310,20 @@ def _chunks(items: Iterator[StoreItem], size: int) -> Iterator[list[StoreItem]]:
 def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out: str | Path, needs: StoreNeeds,
                 sources: list[dict[str, Any]], held_out_every: int, shard_sequences: int = 64,
                 batch_tokens: int = 2048, dtype: torch.dtype = torch.bfloat16, command: str | None = None,
-                max_tokens: int | None = None, progress: bool = False) -> FeatureStore:
+                max_tokens: int | None = None, progress: bool = False, target_hash: str | None = None) -> FeatureStore:
     """Fill (or resume) the store at ``out`` from ``items`` (a deterministic stream: resuming walks it
     again and skips the shards on disk). Under ``accelerate launch`` process ``p`` of ``P`` writes
     shards ``p, p+P, ...``; the main process writes the manifest. ``max_tokens`` stops after the shard
-    that reaches it (counting every shard of the stream, written now or before)."""
+    that reaches it (counting every shard of the stream, written now or before). ``target_hash``: the
+    checkpoint's :func:`weights_hash` taken before the target was cast to a compute dtype (default: of
+    ``target`` as it is), so a store computed in bf16 still names the fp32 weights that train from it."""
     from accelerate import PartialState
 
     state = PartialState(cpu=target.device.type == "cpu")  # a CPU target: gloo processes, not one process each
     out = Path(out)
-    spec = {"format": FORMAT, "target": {"id": target_id, "hash": weights_hash(target)},
+    spec = {"format": FORMAT, "target": {"id": target_id, "hash": target_hash or weights_hash(target)},
             "layers": list(needs.layers), "kv_layers": list(needs.kv), "dtype": str(dtype).removeprefix("torch."),
+            "compute_dtype": str(target.dtype).removeprefix("torch."),
             "hidden_size": target.text_config.hidden_size,
             "kv_shape": {str(i): [target.layer_specs()[i].num_kv_heads, target.layer_specs()[i].head_dim] for i in needs.kv},
             "sources": sources, "held_out": {"rule": "specdec.data.sources: an item whose identity hashes to 0 mod every "
@@ -329,8 +332,9 @@ def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out:
             "shard_sequences": shard_sequences}
     file = out / MANIFEST
     if file.is_file():
-        old = json.loads(file.read_text())
-        for key in ("format", "target", "layers", "kv_layers", "dtype", "sources", "held_out", "shard_sequences"):
+        old = {"compute_dtype": "float32", **json.loads(file.read_text())}  # stores before the key ran fp32
+        for key in ("format", "target", "layers", "kv_layers", "dtype", "compute_dtype", "sources", "held_out",
+                    "shard_sequences"):
             if old.get(key) != spec[key]:
                 raise StoreMismatch(f"{out} was made with {key}={old.get(key)!r}; this command asks for "
                                     f"{spec[key]!r}: use another --out (or delete the folder)")
@@ -464,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     target = build_target(TargetConfig(model=a.target, dtype="float32", pack=False))
+    checkpoint_hash = weights_hash(target)  # the weights as loaded, whatever dtype computes the rows
     needs = recipe_needs(target, a.recipes)
     needs = StoreNeeds(tuple(a.layers) if a.layers is not None else needs.layers,
                        tuple(a.kv_layers) if a.kv_layers is not None else needs.kv)
@@ -485,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(info, indent=1))
         return
     store = write_store(target, a.target, items, a.out, needs, sources, a.held_out_every, a.shard_sequences,
-                        a.batch_tokens, command=command, max_tokens=a.tokens, progress=True)
+                        a.batch_tokens, command=command, max_tokens=a.tokens, progress=True,
+                        target_hash=checkpoint_hash)
     print(f"{store.path}: {store.num_tokens:,} tokens, {len(store.sequences):,} sequences, hidden states "
           f"{list(store.layers)}, K/V layers {list(store.kv_layers)}")
 

@@ -82,13 +82,15 @@ def run_name(family: str, variant: str = "") -> str:
 
 
 def part_command(family: str, store: str, runs: str, i: int, skip: int, use: int, steps: int, batch: int,
-                 eval_sequences: int, threads: int, variant: str = "", overrides: tuple[str, ...] = ()) -> list[str]:
+                 eval_sequences: int, threads: int, variant: str = "", overrides: tuple[str, ...] = (),
+                 bf16: bool = False) -> list[str]:
     """The one training command of part ``i`` of ``family`` (from the repository root); a ``variant``
-    (a lever) adds its Hydra ``overrides`` after the family's own and writes beside the plain curve."""
+    (a lever) adds its Hydra ``overrides`` after the family's own and writes beside the plain curve.
+    ``bf16``: autocast the loss to bf16 (for CPUs with bf16 matrix units; the features stay fp32)."""
     name = run_name(family, variant)
     cmd = [sys.executable, "experiments/train.py", "--config-name", f"smollm2_{family}", f"data.store={store}",
            f"data.skip={skip}", f"data.use={use}", "data.held_out_every=20", "data.feature_dtype=float32",
-           "optim.bf16=false", f"optim.batch={batch}", f"optim.steps={steps}", "optim.warmup=0.05",
+           f"optim.bf16={str(bf16).lower()}", f"optim.batch={batch}", f"optim.steps={steps}", "optim.warmup=0.05",
            f"eval_sequences={eval_sequences}", "save_every=5", f"threads={threads}", "progress=false",
            *OPTIONS[family], *overrides, f"out={runs}/{name}/p{i}", f"work={runs}/{name}/p{i}-work"]
     if i > 0:
@@ -151,7 +153,7 @@ def run(a: argparse.Namespace) -> None:
             out = runs / name / f"p{i}"
             if not (out / "training.json").is_file():
                 cmd = part_command(family, a.store, a.runs, i, skip, use, steps, a.batch, a.eval_sequences, a.threads,
-                                   a.variant, tuple(a.set))
+                                   a.variant, tuple(a.set), a.bf16)
                 if (runs / name / f"p{i}-work" / "state.safetensors").is_file():
                     cmd.append("resume=true")
                 print("$", shlex.join(cmd), flush=True)
@@ -318,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (decoding stays fp32)")
     ap.add_argument("--poll", type=float, default=60.0, help="seconds between looks at a filling store")
     ap.add_argument("--out", default="docs/results/learning_curves")
     ap.add_argument("--variant", default="", help="a lever tried on the families: runs go to <runs>/<family>@<variant>")
