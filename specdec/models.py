@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import socket
 from collections.abc import Iterator
@@ -252,9 +253,11 @@ def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
     for p in sorted(root.iterdir()):
         if _recorded_only(p):
             rec = json.loads((p / "training.json").read_text())
-            if rec.get("equivalent_command"):  # the one trainer's recipe, which writes to this folder
+            if rec.get("equivalent_command"):  # the one trainer's recipe: to this folder unless its out= says
                 commands = [*rec.get("remake_first", []), rec["equivalent_command"]]
-                out[p.name] = (" && ".join(commands), f"experiments/checkpoints/{p.name}")
+                written = next((w.split("=", 1)[1] for w in shlex.split(rec["equivalent_command"])
+                                if w.startswith("out=")), f"experiments/checkpoints/{p.name}")
+                out[p.name] = (" && ".join(commands), written)
             else:
                 out[p.name] = (rec["command"], rec["config"]["out"])
     return out

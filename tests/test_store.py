@@ -285,3 +285,65 @@ def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
     assert slope == pytest.approx(0.1) and need == pytest.approx(1e6 * 10 ** 12, rel=1e-6)  # 1.2 more at 0.1/decade
     assert tokens_to_reach([(10_000, 1.2), (100_000, 1.1)], 2.5) == (pytest.approx(-0.1), None)  # falling: never
     assert tokens_to_reach([(10_000, 1.2)], 2.5) == (0.0, None)
+
+
+def test_the_curves_page_names_the_store_compute_dtype(tmp_path):
+    from specdec.training.curves import _store_dtype
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps({"compute_dtype": "bfloat16"}))
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({}))  # before the key: the writer ran fp32
+    assert "in bfloat16" in _store_dtype(f"python experiments/train.py data.store={tmp_path / 's'} data.skip=0")
+    assert "in float32" in _store_dtype(f"python experiments/train.py data.store={tmp_path / 'old'}")
+    assert "unknown" in _store_dtype("python experiments/train.py data.skip=0")
+
+
+def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monkeypatch):
+    """The packaged record adds up the parts and names every command that remakes the weights, the
+    store's first; --record-only keeps the record alone; a part not yet trained is refused."""
+    from specdec.training.curves import main, package
+    from specdec.training.trainer import TrainingRecord
+
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(json.dumps({"command": "python -m specdec.data.store --out st"}))
+    runs = tmp_path / "runs"
+    for i in range(3):
+        part = runs / "mtp" / f"p{i}"
+        part.mkdir(parents=True)
+        init = f" init={runs}/mtp/p{i - 1}" if i else ""
+        TrainingRecord(revision="abc", command=f"python experiments/train.py data.store={store} out={part}{init}",
+                       config={}, steps=10 * (i + 1), tokens=1000 * (i + 1), wall_seconds=1.5,
+                       held_out={"loss": 1.0 - i / 10}).write(part)
+        (part / "model.safetensors").write_bytes(bytes([i]))
+        (part / "config.json").write_text("{}")
+    (runs / "mtp" / "p1" / "decoded.json").write_text(json.dumps(
+        {"k": 4, "mtbench": {"mean_accepted_length": 1.25}, "humaneval": {"mean_accepted_length": 1.5}}))
+    dest = package(runs, "mtp", 1, tmp_path / "ckpt", best_k={"k": 1, "measured": "cmd: 1.1x"})
+    rec = TrainingRecord.read(dest)
+    assert (rec.steps, rec.tokens, rec.wall_seconds) == (30, 3000, 3.0)
+    assert rec.remake_first == ["python -m specdec.data.store --out st", f"python experiments/train.py "
+                                f"data.store={store} out={runs}/mtp/p0"]
+    assert rec.equivalent_command == rec.command and f"init={runs}/mtp/p0" in rec.command
+    assert [p["tokens"] for p in rec.parts] == [1000, 2000] and rec.best_k == {"k": 1, "measured": "cmd: 1.1x"}
+    assert "1.250 (MT-bench)" in rec.note and (dest / "model.safetensors").read_bytes() == bytes([1])
+    assert sorted(f.name for f in dest.iterdir()) == ["config.json", "model.safetensors", "training.json"]
+    main(["package", "--runs", str(runs), "--family", "mtp", "--part", "2", "--dest", str(dest), "--record-only"])
+    assert [f.name for f in dest.iterdir()] == ["training.json"]  # the earlier weights are gone too
+    assert "not committed" in TrainingRecord.read(dest).note and TrainingRecord.read(dest).best_k is None
+    with pytest.raises(FileNotFoundError, match=r"no finished part"):
+        package(runs, "mtp", 3, dest)
+    for bad in (["--part", "-1"], ["--part", "1", "--best-k", "2"], ["--part", "1", "--best-k", "0",
+                                                                    "--best-k-measured", "x"]):
+        with pytest.raises(SystemExit):
+            main(["package", "--runs", str(runs), "--family", "mtp", "--dest", str(dest), *bad])
+    # a recorded-only checkpoint says which folder its last command writes
+    import specdec.models as models
+
+    root = tmp_path / "root"
+    package(runs, "mtp", 2, root / "smollm2-135m-mtp", weights=False)
+    monkeypatch.setattr(models, "_checkpoint_root", lambda: root)
+    command, out = models.uncommitted_checkpoints()["smollm2-135m-mtp"]
+    assert command.startswith("python -m specdec.data.store") and command.count(" && ") == 3
+    assert out == f"{runs}/mtp/p2"

@@ -2,6 +2,7 @@
 
     python -m specdec.training.curves run --store <store> --runs outputs/curves_store     # resumable
     python -m specdec.training.curves report --runs outputs/curves_store --out docs/results/learning_curves
+    python -m specdec.training.curves package --family mtp --part 3 --dest experiments/checkpoints/smollm2-135m-mtp
 
 ``run`` cuts the store's sequences (in store order) into consecutive parts that end at the token
 counts of ``--points`` (tokens seen: every token of every training sequence); part ``i`` trains
@@ -32,7 +33,7 @@ from typing import Any
 
 from specdec.provenance import with_kept_notes
 
-__all__ = ["FAMILIES", "parts", "run_name", "part_command", "tokens_to_reach", "decode", "collect", "main"]
+__all__ = ["FAMILIES", "parts", "run_name", "part_command", "tokens_to_reach", "decode", "collect", "package", "main"]
 
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
 # per family: the label is the target's own distribution where the recipe offers it (forward KL); the
@@ -272,7 +273,7 @@ def report(a: argparse.Namespace) -> None:
             f"--{k.replace('_', '-')} {v}" for k, v in (("runs", a.runs), ("out", a.out))) + "` from the runs of",
         "`python -m specdec.training.curves run` (each part's command is in its `training.json`; the first:",
         f"`{first}`).", "",
-        f"git {_git_sha()}, {_machine()}, fp32 target and drafts, greedy decoding, {_today()}.", "",
+        f"git {_git_sha()}, {_machine()}, {_store_dtype(first)}, fp32 training and decoding, greedy, {_today()}.", "",
         "Every family sees the same store sequences in the same order (equal tokens and equal steps at each",
         "point). MAL: mean accepted length of greedy chain decoding at k = 4 on held-out prompts (the first",
         "8 MT-bench first turns, the first 8 HumanEval problems, 48 new tokens), through the library's loop;",
@@ -281,6 +282,69 @@ def report(a: argparse.Namespace) -> None:
     text = with_kept_notes(page, text)
     page.write_text(text)
     print(text)
+
+
+def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True,
+            best_k: dict[str, Any] | None = None) -> Path:
+    """Part ``part`` of ``family``'s curve as a checkpoint folder ``dest``: its weights (unless
+    ``weights`` is False: a size budget keeps only the record) and a ``training.json`` whose remake
+    chain is the store's own command and every part's, so one ``&&``-joined line makes it again.
+    Tokens, steps and wall time add up over the parts; the last part's log is kept."""
+    import shutil
+
+    from specdec.training.trainer import TrainingRecord
+
+    folders = [runs / family / f"p{i}" for i in range(part + 1)]
+    missing = [str(f) for f in folders if not (f / "training.json").is_file()]
+    if missing:
+        raise FileNotFoundError(f"the curve of {family} has no finished part(s) {missing}: run the curve first")
+    recs = [TrainingRecord.read(f) for f in folders]
+    store = next((w.split("=", 1)[1] for w in shlex.split(recs[0].command) if w.startswith("data.store=")), None)
+    if store is None or not (Path(store) / "manifest.json").is_file():
+        raise FileNotFoundError(f"{folders[0]} names no feature store on disk (data.store={store}): its command "
+                                "cannot be recorded")
+    store_command = json.loads((Path(store) / "manifest.json").read_text())["command"]
+    chain = [{"command": r.command, "revision": r.revision, "steps": r.steps, "tokens": r.tokens,
+              "wall_seconds": r.wall_seconds, "held_out": r.held_out} for r in recs]
+    last = recs[-1]
+    last.tokens = sum(r.tokens or 0 for r in recs)
+    last.response_tokens = sum(r.response_tokens or 0 for r in recs)
+    last.steps = sum(r.steps for r in recs)
+    last.wall_seconds = round(sum(r.wall_seconds or 0.0 for r in recs), 1)
+    last.parts = chain
+    last.remake_first = [store_command, *(r.command for r in recs[:-1])]
+    last.equivalent_command = last.command
+    decoded = folders[-1] / "decoded.json"
+    figures = json.loads(decoded.read_text()) if decoded.is_file() else None
+    last.note = (f"Part {part} of the learning curve of {family} from the feature store "
+                 f"(docs/results/learning_curves.md): {len(recs)} parts, each from the one before (init=); the "
+                 f"store's command, then each part's, remake it (remake_first, then equivalent_command)."
+                 + (f" Decoded at k={figures['k']} on the held-out prompts: mean accepted length "
+                    f"{figures['mtbench']['mean_accepted_length']:.3f} (MT-bench), "
+                    f"{figures['humaneval']['mean_accepted_length']:.3f} (HumanEval)." if figures else "")
+                 + ("" if weights else " Weights not committed (the repository's size budget)."))
+    last.best_k = best_k
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in dest.iterdir():
+        if f.is_file():
+            f.unlink()
+    if weights:
+        for f in folders[-1].iterdir():
+            if f.is_file() and f.name not in ("training.json", "decoded.json"):
+                shutil.copy2(f, dest / f.name)
+    last.write(dest)
+    return dest
+
+
+def _store_dtype(command: str) -> str:
+    """How the store a part read (``data.store=`` of its command) was computed: its manifest's
+    compute dtype (a store from before the key ran fp32); rows are stored in bf16 either way."""
+    store = next((w.split("=", 1)[1] for w in shlex.split(command) if w.startswith("data.store=")), None)
+    manifest = Path(store) / "manifest.json" if store else None
+    if manifest is None or not manifest.is_file():
+        return "store rows of unknown compute dtype"
+    dtype = json.loads(manifest.read_text()).get("compute_dtype", "float32")
+    return f"store rows computed by the target in {dtype} (kept in bf16)"
 
 
 def _git_sha() -> str:
@@ -309,7 +373,7 @@ def _today() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specdec.training.curves", description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("run", "report"))
+    ap.add_argument("action", choices=("run", "report", "package"))
     ap.add_argument("--store", default="outputs/store/smollm2-135m")
     ap.add_argument("--runs", default="outputs/curves_store")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
@@ -326,9 +390,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", default="", help="a lever tried on the families: runs go to <runs>/<family>@<variant>")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="the variant's Hydra overrides, after the family's own (e.g. options.ttt_steps=3)")
+    ap.add_argument("--family", choices=FAMILIES, help="package: whose curve")
+    ap.add_argument("--part", type=int, help="package: which part (0 = the first point)")
+    ap.add_argument("--dest", help="package: the checkpoint folder to write")
+    ap.add_argument("--record-only", action="store_true", help="package: training.json only, no weights")
+    ap.add_argument("--best-k", type=int, help="package: the fastest k, measured by --best-k-measured")
+    ap.add_argument("--best-k-measured", default="", help="package: the command and figure that chose --best-k")
     a = ap.parse_args(argv)
     if bool(a.variant) != bool(a.set):
         ap.error("--variant and --set go together: a lever has a name and its overrides")
+    if a.action == "package":
+        if a.family is None or a.part is None or not a.dest:
+            ap.error("package needs --family, --part and --dest")
+        if a.part < 0:
+            ap.error(f"--part must be >= 0, got {a.part}")
+        if (a.best_k is None) != (not a.best_k_measured):
+            ap.error("--best-k and --best-k-measured go together: a best k is recorded with what measured it")
+        if a.best_k is not None and a.best_k < 1:
+            ap.error(f"--best-k must be >= 1, got {a.best_k}")
+        best = {"k": a.best_k, "measured": a.best_k_measured} if a.best_k is not None else None
+        print(package(Path(a.runs), a.family, a.part, Path(a.dest), not a.record_only, best))
+        return
     run(a) if a.action == "run" else report(a)
 
 
