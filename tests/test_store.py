@@ -278,6 +278,45 @@ def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
     assert list(collect(tmp_path, ("eagle3", "mtp"))) == ["eagle3", "eagle3@ttt3", "mtp"]
 
 
+def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_resumes(tmp_path, monkeypatch):
+    import argparse
+
+    import specdec.api
+    import specdec.training.curves as curves
+
+    looks, ran = [], []
+    monkeypatch.setattr(curves, "_store_lengths", lambda store: looks.append(store) or (
+        [10] * 7, [False, True, False, False, False, False, False]))
+
+    def fake_train(cmd, check):  # the part's command writes its checkpoint's record
+        ran.append(cmd)
+        out = Path(next(a.split("=", 1)[1] for a in cmd if a.startswith("out=")))
+        out.mkdir(parents=True)
+        (out / "training.json").write_text("{}")
+
+    monkeypatch.setattr(curves.subprocess, "run", fake_train)
+    monkeypatch.setattr(specdec.api, "load_target", lambda name: "target")
+    monkeypatch.setattr(curves, "held_out_prompts", lambda target, n: {})
+    monkeypatch.setattr(curves, "decode", lambda target, family, out, prompts, k, n: {"family": family})
+    runs = tmp_path / "runs"
+    (runs / "mtp" / "p0").mkdir(parents=True)  # finished and decoded: skipped
+    (runs / "mtp" / "p0" / "training.json").write_text("{}")
+    (runs / "mtp" / "p0" / "decoded.json").write_text("{}")
+    (runs / "eagle3" / "p1-work").mkdir(parents=True)  # interrupted: resumed from its state
+    (runs / "eagle3" / "p1-work" / "state.safetensors").write_bytes(b"")
+    curves.run(argparse.Namespace(runs=str(runs), store="st", points=[15, 30], families=["mtp", "eagle3"], variant="",
+                                  set=[], batch=4, eval_sequences=16, threads=torch.get_num_threads(), bf16=False,
+                                  poll=0.0, prompts=8, k=4, max_new_tokens=48))
+    assert looks == [Path("st"), Path("st")]  # one look at the store per point, not one per sequence
+    assert [next(a for a in c if a.startswith("out=")) for c in ran] == [
+        f"out={runs}/eagle3/p0", f"out={runs}/mtp/p1", f"out={runs}/eagle3/p1"]
+    assert [c[-1] == "resume=true" for c in ran] == [False, False, True]
+    assert "optim.steps=1" in ran[0]  # two training rows of three, batch 4
+    decoded = json.loads((runs / "mtp" / "p1" / "decoded.json").read_text())
+    assert decoded == {"family": "mtp", "point": 30, "part": 1, "part_tokens": 10, "steps": 1}
+    assert json.loads((runs / "mtp" / "p0" / "decoded.json").read_text()) == {}
+
+
 def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
     from specdec.training.curves import tokens_to_reach
 

@@ -141,13 +141,14 @@ def run(a: argparse.Namespace) -> None:
     target = prompts = None
     for i, p in enumerate(a.points):
         while True:
-            plan = parts(*_store_lengths(Path(a.store)), a.points)
+            lengths, held = _store_lengths(Path(a.store))  # once per look: it opens every shard
+            plan = parts(lengths, held, a.points)
             if len(plan) > i:
                 break
             print(f"point {p:,}: waiting for the store to hold it", flush=True)
             time.sleep(a.poll)
         skip, use, tokens = plan[i]
-        n_train = sum(1 for j in range(skip, skip + use) if not _store_lengths(Path(a.store))[1][j])
+        n_train = sum(1 for j in range(skip, skip + use) if not held[j])
         steps = max(1, -(-n_train // a.batch))
         for family in a.families:
             name = run_name(family, a.variant)
