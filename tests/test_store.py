@@ -338,6 +338,15 @@ def test_the_curves_page_names_the_store_compute_dtype(tmp_path):
     assert "unknown" in _store_dtype("python experiments/train.py data.skip=0")
 
 
+def test_the_curves_page_names_the_parts_trained_under_bf16_autocast():
+    from specdec.training.curves import _training_precision
+
+    fp32, bf16 = {"command": "python experiments/train.py optim.bf16=false"}, {"command": "python x optim.bf16=true"}
+    assert _training_precision({"eagle3": [fp32, fp32], "mtp": [fp32]}) == "fp32 training and decoding"
+    named = _training_precision({"eagle3": [fp32, fp32], "dflash": [fp32, bf16], "dspark": [bf16]})
+    assert "dflash p1, dspark p0" in named and "eagle3" not in named and "fp32 decoding" in named
+
+
 def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monkeypatch):
     """The packaged record adds up the parts and names every command that remakes the weights, the
     store's first; --record-only keeps the record alone; a part not yet trained is refused."""

@@ -274,7 +274,7 @@ def report(a: argparse.Namespace) -> None:
             f"--{k.replace('_', '-')} {v}" for k, v in (("runs", a.runs), ("out", a.out))) + "` from the runs of",
         "`python -m specdec.training.curves run` (each part's command is in its `training.json`; the first:",
         f"`{first}`).", "",
-        f"git {_git_sha()}, {_machine()}, {_store_dtype(first)}, fp32 training and decoding, greedy, {_today()}.", "",
+        f"git {_git_sha()}, {_machine()}, {_store_dtype(first)}, {_training_precision(data)}, greedy, {_today()}.", "",
         "Every family sees the same store sequences in the same order (equal tokens and equal steps at each",
         "point). MAL: mean accepted length of greedy chain decoding at k = 4 on held-out prompts (the first",
         "8 MT-bench first turns, the first 8 HumanEval problems, 48 new tokens), through the library's loop;",
@@ -346,6 +346,16 @@ def _store_dtype(command: str) -> str:
         return "store rows of unknown compute dtype"
     dtype = json.loads(manifest.read_text()).get("compute_dtype", "float32")
     return f"store rows computed by the target in {dtype} (kept in bf16)"
+
+
+def _training_precision(data: dict[str, list[dict[str, Any]]]) -> str:
+    """How the parts trained: fp32, except those whose command turned bf16 autocast on (named, so a
+    reader knows which points of a curve changed precision); decoding is fp32 always."""
+    bf16 = [f"{name} p{i}" for name, pts in data.items() for i, p in enumerate(pts)
+            if "optim.bf16=true" in shlex.split(p["command"])]
+    if not bf16:
+        return "fp32 training and decoding"
+    return f"fp32 training except under bf16 autocast in {', '.join(bf16)} (`optim.bf16=true`), fp32 decoding"
 
 
 def _git_sha() -> str:
