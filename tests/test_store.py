@@ -373,7 +373,8 @@ def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monke
     assert (rec.steps, rec.tokens, rec.wall_seconds) == (30, 3000, 3.0)
     assert rec.remake_first == ["python -m specdec.data.store --out st", f"python experiments/train.py "
                                 f"data.store={store} out={runs}/mtp/p0"]
-    assert rec.equivalent_command == rec.command and f"init={runs}/mtp/p0" in rec.command
+    assert f"init={runs}/mtp/p0" in rec.equivalent_command and f"out={runs}/mtp/p1" in rec.command  # as it ran
+    assert rec.equivalent_command == rec.command.replace(f"out={runs}/mtp/p1", f"out={dest}")  # remade here
     assert [p["tokens"] for p in rec.parts] == [1000, 2000] and rec.best_k == {"k": 1, "measured": "cmd: 1.1x"}
     assert "1.250 (MT-bench)" in rec.note and (dest / "model.safetensors").read_bytes() == bytes([1])
     assert sorted(f.name for f in dest.iterdir()) == ["config.json", "model.safetensors", "training.json"]
@@ -394,4 +395,4 @@ def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monke
     monkeypatch.setattr(models, "_checkpoint_root", lambda: root)
     command, out = models.uncommitted_checkpoints()["smollm2-135m-mtp"]
     assert command.startswith("python -m specdec.data.store") and command.count(" && ") == 3
-    assert out == f"{runs}/mtp/p2"
+    assert out == str(root / "smollm2-135m-mtp")  # the chain's last part writes the recorded folder

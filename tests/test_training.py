@@ -461,7 +461,12 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
     command = record.equivalent_command or record.command
     prefix = "python experiments/train.py --config-name "
     reads = None  # the folder the next command's init= names: the one the command before it writes
-    for i, part in enumerate([*record.remake_first, command]):
+    chain = [*record.remake_first, command]
+    if chain[0].startswith("python -m specdec.data.store "):  # a store-trained chain: the store's command first
+        store = shlex.split(chain[0])
+        assert f"data.store={store[store.index('--out') + 1]}" in chain[1]  # the first part reads that store
+        chain = chain[1:]
+    for i, part in enumerate(chain):
         assert part.startswith(prefix)  # the one trainer's command for this recipe
         name, *overrides = shlex.split(part[len(prefix):])
         cfg = compose_train(name, overrides)

@@ -289,8 +289,9 @@ def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True
             best_k: dict[str, Any] | None = None) -> Path:
     """Part ``part`` of ``family``'s curve as a checkpoint folder ``dest``: its weights (unless
     ``weights`` is False: a size budget keeps only the record) and a ``training.json`` whose remake
-    chain is the store's own command and every part's, so one ``&&``-joined line makes it again.
-    Tokens, steps and wall time add up over the parts; the last part's log is kept."""
+    chain is the store's own command and every part's, the last one writing to ``dest``, so one
+    ``&&``-joined line makes it again where its name finds it. Tokens, steps and wall time add up
+    over the parts; the last part's log is kept."""
     import shutil
 
     from specdec.training.trainer import TrainingRecord
@@ -314,7 +315,7 @@ def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True
     last.wall_seconds = round(sum(r.wall_seconds or 0.0 for r in recs), 1)
     last.parts = chain
     last.remake_first = [store_command, *(r.command for r in recs[:-1])]
-    last.equivalent_command = last.command
+    last.equivalent_command = _writing_to(last.command, dest)  # the chain ends in this folder: its name resolves
     decoded = folders[-1] / "decoded.json"
     figures = json.loads(decoded.read_text()) if decoded.is_file() else None
     last.note = (f"Part {part} of the learning curve of {family} from the feature store "
@@ -335,6 +336,15 @@ def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True
                 shutil.copy2(f, dest / f.name)
     last.write(dest)
     return dest
+
+
+def _writing_to(command: str, dest: Path) -> str:
+    """``command`` with its ``out=`` pointed at ``dest`` (relative to the working directory, the
+    repository root, when inside it), so the remade weights land in the packaged folder."""
+    here = Path.cwd().resolve()
+    folder = dest.resolve()
+    where = str(folder.relative_to(here)) if folder.is_relative_to(here) else str(folder)
+    return shlex.join(f"out={where}" if w.startswith("out=") else w for w in shlex.split(command))
 
 
 def _store_dtype(command: str) -> str:
