@@ -124,15 +124,19 @@ def test_the_assistants_kv_from_one_forward_is_the_targets_cache(tiny_target):
 def test_a_store_resumes_and_refuses_another_target_or_other_layers(tiny_target, tmp_path):
     seqs = sequences()
     needs = StoreNeeds(layers=(1, 2), kv=())
-    make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=40)  # interrupted after a few shards
+    make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=40, command="fill 40")  # interrupted after a few shards
     first = FeatureStore(tmp_path / "s")
     assert 40 <= first.num_tokens < sum(s.tokens.numel() for s in seqs)
     shard0 = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))
-    whole_so_far = make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=300)
+    whole_so_far = make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=300, command="fill 300")
     (tmp_path / "s" / "shard-00002.safetensors").unlink()  # a process behind the others: shard 3 is on disk, 2 not
     assert (tmp_path / "s" / "shard-00003.safetensors").is_file() and len(whole_so_far.shards) >= 4
     assert [s["file"] for s in FeatureStore(tmp_path / "s").shards] == ["shard-00000.safetensors", "shard-00001.safetensors"]
-    whole = make_store(tiny_target, tmp_path / "s", seqs, needs)  # resumed: the missing shards are made
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["command"] == "fill 300"
+    whole = make_store(tiny_target, tmp_path / "s", seqs, needs, command="fill all")  # resumed: the missing shards are made
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["command"] == "fill all"  # the one that remakes it all
+    make_store(tiny_target, tmp_path / "s", seqs, needs, max_tokens=40, command="fill 40")  # adds nothing
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["command"] == "fill all"
     assert whole.num_tokens == sum(s.tokens.numel() for s in seqs)
     again = load_file(str(tmp_path / "s" / "shard-00000.safetensors"))
     assert all(torch.equal(shard0[k], again[k]) for k in shard0)
@@ -324,6 +328,8 @@ def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
     assert slope == pytest.approx(0.1) and need == pytest.approx(1e6 * 10 ** 12, rel=1e-6)  # 1.2 more at 0.1/decade
     assert tokens_to_reach([(10_000, 1.2), (100_000, 1.1)], 2.5) == (pytest.approx(-0.1), None)  # falling: never
     assert tokens_to_reach([(10_000, 1.2)], 2.5) == (0.0, None)
+    slope, need = tokens_to_reach([(30_000, 1.1), (100_000, 1.1001)], 2.5)  # barely rising: past any float, no error
+    assert slope > 0 and need == float("inf")
 
 
 def test_the_curves_page_names_the_store_compute_dtype(tmp_path):

@@ -203,7 +203,8 @@ def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float,
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
     if slope <= 0:
         return slope, None
-    return slope, 10 ** (mx + (aim - my) / slope)
+    decades = mx + (aim - my) / slope
+    return slope, 10 ** decades if decades < 300 else math.inf  # a near-flat rise: past any float
 
 
 AIM_MAL = 2.5  # the aim: mean accepted length at the best k
