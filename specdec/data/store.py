@@ -363,7 +363,7 @@ def write_store(target: Target, target_id: str, items: Iterable[StoreItem], out:
             break
     state.wait_for_everyone()
     if state.is_main_process:
-        _write_manifest(out, command if len(_finished_shards(out)) > before else None)  # it grew
+        _write_manifest(out, command, before)
     state.wait_for_everyone()
     return FeatureStore(out)
 
@@ -380,15 +380,16 @@ def _finished_shards(out: Path) -> list[dict[str, Any]]:
     return found
 
 
-def _write_manifest(out: Path, command: str | None = None) -> None:
-    """The manifest with the contiguous shards on disk (an interrupted run lists what it finished);
-    ``command``, when given, replaces the recorded one: the fill that extended the store (a larger
-    ``--tokens``) is the one command that remakes all of it, the first shards alike."""
+def _write_manifest(out: Path, command: str | None = None, before: int = 0) -> None:
+    """The manifest with the contiguous shards on disk (an interrupted run lists what it finished).
+    ``command`` replaces the recorded one when the contiguous shards now reach past the ``before``
+    there were: the fill that extended the store (a larger ``--tokens``) is the one command that
+    remakes all of it, the first shards alike."""
     file = out / MANIFEST
     man = json.loads(file.read_text())
     done = _finished_shards(out)
     man.update(shards=done, tokens=sum(s["tokens"] for s in done), sequences=sum(s["sequences"] for s in done))
-    if command is not None:
+    if command is not None and len(done) > before:
         man["command"] = command
     tmp = file.with_suffix(".tmp")
     tmp.write_text(json.dumps(man, indent=1))
