@@ -52,6 +52,7 @@ from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
+from specdec.transformers_versions import cache_kwargs
 from specdec.types import Committed, DraftProposal, Requirements
 from specdec.validate import as_float_dtype, as_int
 
@@ -107,7 +108,7 @@ class MTPModule(nn.Module):
         """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each;
         ``cache`` is a store as :meth:`specdec.target.Target.kv_cache` hands it to the block."""
         x = self.draft_input(embeds, hidden)
-        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache),
                              use_cache=cache is not None, position_embeddings=position_embeddings)
         out = out[0] if isinstance(out, tuple) else out
         return out, self.shared_head.norm(out)

@@ -1,0 +1,67 @@
+"""Everything in specdec that depends on which transformers release is installed, and the releases
+each difference spans. Nothing else in specdec (or its drafters) tests the version.
+
+Supported: transformers :data:`FLOOR` and every later 5.x release (pyproject.toml declares the same
+floor; ``make test-floor`` runs the conformance cases against it, docs/compatibility.md).
+
+- The cache a model reads and writes is passed as ``past_key_values=`` up to 5.23 and as ``cache=``
+  from 5.24.0 on (the old name is still accepted there, with a deprecation warning, until 5.40). A
+  name the model does not take is swallowed by its ``**kwargs`` without a word: the model then runs
+  with a fresh cache of its own, and the KV store's keys never reach attention. So every call that
+  hands a cache to a transformers module spells it :func:`cache_kwargs`, and every read of a cache
+  from a model's output goes through :func:`output_cache` (the output field was renamed with it).
+- A cache layer's abstract length method is ``get_max_cache_shape`` up to 5.12 and ``get_max_length``
+  from 5.13.0 on: :class:`CacheLayer` implements both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from packaging.version import Version
+from transformers.cache_utils import CacheLayerMixin
+
+__all__ = ["FLOOR", "CACHE_ARG", "cache_kwargs", "output_cache", "installed", "check_supported", "CacheLayer"]
+
+FLOOR = Version("5.8.0")  # the oldest release the conformance cases pass on (pyproject.toml says the same)
+_CACHE_RENAMED = Version("5.24.0")  # past_key_values= -> cache= (argument and output field)
+
+
+def installed() -> Version:
+    """The installed transformers release (a dev or rc build counts as its release)."""
+    return Version(Version(transformers.__version__).base_version)
+
+
+def check_supported() -> None:
+    """Raise ``ImportError`` naming the supported range when the installed transformers is older than
+    :data:`FLOOR` (pip enforces the floor; a ``PYTHONPATH`` or an image's own copy does not)."""
+    if installed() < FLOOR:
+        raise ImportError(f"specdec needs transformers >= {FLOOR}; found {transformers.__version__} "
+                          f"at {transformers.__file__} (docs/compatibility.md)")
+
+
+check_supported()
+
+CACHE_ARG: str = "cache" if installed() >= _CACHE_RENAMED else "past_key_values"
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword argument this release's models and decoder layers take it by."""
+    return {CACHE_ARG: cache}
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model's output carries (None when it carries none)."""
+    return getattr(output, CACHE_ARG, None)
+
+
+class CacheLayer(CacheLayerMixin):
+    """transformers' cache-layer base with its length method under both of its names; a layer
+    that grows on demand has no maximum (-1)."""
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return self.get_max_length()
