@@ -127,7 +127,7 @@ $(INTEROP_VENV)/.installed:
 	test -x $(INTEROP_PY) || python3 -m venv $(INTEROP_VENV)
 	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(INTEROP_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SPECULATORS_SPEC)" hs-connectors==0.9.0
-	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "transformers>=5.0,<=5.19.0" pydantic pydantic-settings \
+	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "transformers>=5.8.0,<=5.19.0" pydantic pydantic-settings \
 		"loguru>=0.7.2,<=0.7.3" safetensors huggingface-hub "numpy>=2.0,<=2.5.4" "tqdm>=4.66.3,<=4.70.1" rich click \
 		typer psutil protobuf httpx aiohttp "openai>=2.0.0" "datasets>=4.0.0,<=5.1.0"
 	$(INTEROP_PY) -c "import speculators"

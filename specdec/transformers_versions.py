@@ -1,8 +1,10 @@
 """Everything in specdec that depends on which transformers release is installed, and the releases
 each difference spans. Nothing else in specdec (or its drafters) tests the version.
 
-Supported: transformers :data:`FLOOR` and every later 5.x release (pyproject.toml declares the same
-floor; ``make test-floor`` runs the conformance cases against it, docs/compatibility.md).
+Supported: transformers :data:`FLOOR` (5.8.0, the first release with Gemma 4's assistant, which the
+``gemma_mtp`` drafter builds on) and every later 5.x release but those in :data:`EXCLUDED`;
+pyproject.toml declares the same range, and ``make test-floor`` runs the conformance cases at the
+floor (docs/testing.md, "Supported transformers").
 
 - The cache a model reads and writes is passed as ``past_key_values=`` up to 5.23 and as ``cache=``
   from 5.24.0 on (the old name is still accepted there, with a deprecation warning, until 5.40). A
@@ -16,15 +18,19 @@ floor; ``make test-floor`` runs the conformance cases against it, docs/compatibi
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import CacheLayerMixin
 
-__all__ = ["FLOOR", "CACHE_ARG", "cache_kwargs", "output_cache", "installed", "check_supported", "CacheLayer"]
+__all__ = ["FLOOR", "EXCLUDED", "CACHE_ARG", "cache_kwargs", "output_cache", "installed", "check_supported", "CacheLayer"]
 
 FLOOR = Version("5.8.0")  # the oldest release the conformance cases pass on (pyproject.toml says the same)
+# releases inside the range that break a drafter, and what breaks (pyproject.toml excludes them too)
+EXCLUDED = {Version("5.23.0"): "its Gemma 4 config refuses a model whose every layer reads shared K/V, as a Gemma 4 "
+                               "assistant's do: the gemma_mtp drafter cannot build its assistant (fixed in 5.24.0)"}
 _CACHE_RENAMED = Version("5.24.0")  # past_key_values= -> cache= (argument and output field)
 
 
@@ -35,10 +41,14 @@ def installed() -> Version:
 
 def check_supported() -> None:
     """Raise ``ImportError`` naming the supported range when the installed transformers is older than
-    :data:`FLOOR` (pip enforces the floor; a ``PYTHONPATH`` or an image's own copy does not)."""
+    :data:`FLOOR`, warn (once) on an :data:`EXCLUDED` release: pip enforces both, but a ``PYTHONPATH``
+    or an image's own copy does not."""
     if installed() < FLOOR:
         raise ImportError(f"specdec needs transformers >= {FLOOR}; found {transformers.__version__} "
-                          f"at {transformers.__file__} (docs/compatibility.md)")
+                          f"at {transformers.__file__} (docs/testing.md, \"Supported transformers\")")
+    if installed() in EXCLUDED:
+        warnings.warn(f"transformers {transformers.__version__} is outside specdec's range: {EXCLUDED[installed()]}",
+                      stacklevel=2)
 
 
 check_supported()

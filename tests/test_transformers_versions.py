@@ -22,10 +22,11 @@ from specdec.testing.tiny import tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_floor_is_the_same_in_pyproject_the_makefile_and_the_code():
+def test_the_range_is_the_same_in_pyproject_the_makefile_and_the_code():
     pyproject = (ROOT / "pyproject.toml").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r'"transformers>=([\d.]+)"', pyproject).group(1) == str(tv.FLOOR)
+    spec = re.search(r'"transformers(>=[^"]+)"', pyproject).group(1).split(",")
+    assert spec == [f">={tv.FLOOR}"] + [f"!={v}" for v in sorted(tv.EXCLUDED)]
     assert re.search(r"^TF_FLOOR := ([\d.]+)$", makefile, re.M).group(1) == str(tv.FLOOR)
 
 
@@ -42,6 +43,9 @@ def test_an_older_transformers_is_refused_by_name(monkeypatch):
         tv.check_supported()
     monkeypatch.setattr(tv.transformers, "__version__", f"{tv.FLOOR}.dev0")
     tv.check_supported()  # a dev build of the floor release counts as that release
+    monkeypatch.setattr(tv.transformers, "__version__", "5.23.0")
+    with pytest.warns(UserWarning, match="outside specdec's range: its Gemma 4 config"):
+        tv.check_supported()
 
 
 def test_a_swallowed_cache_argument_fails_instead_of_attending_to_the_block_alone(monkeypatch):
