@@ -199,8 +199,33 @@ def test_the_kits_planted_section_is_identical_to_autoregressive_at_the_planted_
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     gpu = importlib.import_module("benchmarks.gpu")
     target = gpu.build_target("cpu", True)
+    runs: list[tuple[bool, bool, list]] = []  # (drafter, scheduler, the target forwards' shapes), per decode
+    forward, decode, inside = target.forward, gpu.decode, [False]
+
+    def recording_forward(session, tokens, *args, **kwargs):
+        if inside[0]:  # not the scheduler's cost measurements between runs
+            runs[-1][2].append(tuple(tokens.shape))
+        return forward(session, tokens, *args, **kwargs)
+
+    def recording_decode(target, drafter, prompts, new_tokens, k, policy=None):
+        runs.append((drafter is not None, policy is not None, []))
+        inside[0] = True
+        try:
+            return decode(target, drafter, prompts, new_tokens, k, policy)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(target, "forward", recording_forward)
+    monkeypatch.setattr(gpu, "decode", recording_decode)
     res = gpu.bench_planted(target, "cpu", True, gpu.Budget(1e9, gpu.now()), p=0.8, k=4, forward_rows=[])
     rows = res["rows"]
+    # per concurrency: AR, planted, AR, planted, scheduled, scheduled (each timed run after the same run untimed)
+    kinds = [(d, s) for d, s, _ in runs]
+    assert kinds == [(False, False), (True, False), (False, False), (True, False), (True, True), (True, True)] * 2
+    for c in range(2):
+        at_c = runs[6 * c: 6 * c + 6]
+        assert at_c[0][2] == at_c[2][2] and at_c[1][2] == at_c[3][2] and at_c[4][2] == at_c[5][2]  # untimed = timed
+        assert at_c[3][2] == at_c[5][2]  # the scheduler verified every draft here: the same forwards as without it
     assert [(r["concurrency"], r["scheduler"]) for r in rows] == [(c, s) for c in (1, 4) for s in (False, True)]
     for r in rows:
         assert r["identical"], r
