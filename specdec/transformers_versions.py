@@ -14,6 +14,9 @@ floor (docs/testing.md, "Supported transformers").
   from a model's output goes through :func:`output_cache` (the output field was renamed with it).
 - A cache layer's abstract length method is ``get_max_cache_shape`` up to 5.12 and ``get_max_length``
   from 5.13.0 on: :class:`CacheLayer` implements both.
+- The transformers features two drafters' peers mirror (``specdec.registry.transformers_peer``, what
+  the runner's ``hf_compare`` runs side by side) arrived inside the range: :data:`FEATURES` says
+  from which release, and :func:`require` refuses by name on an older one.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ import transformers
 from packaging.version import Version
 from transformers.cache_utils import CacheLayerMixin
 
-__all__ = ["FLOOR", "EXCLUDED", "CACHE_ARG", "cache_kwargs", "output_cache", "installed", "check_supported", "CacheLayer"]
+__all__ = ["FLOOR", "EXCLUDED", "CACHE_ARG", "cache_kwargs", "output_cache", "installed", "check_supported", "CacheLayer", "FEATURES", "require"]
 
 FLOOR = Version("5.8.0")  # the oldest release the conformance cases pass on (pyproject.toml says the same)
 # releases inside the range that break a drafter, and what breaks (pyproject.toml excludes them too)
 EXCLUDED = {Version("5.23.0"): "its Gemma 4 config refuses a model whose every layer reads shared K/V, as a Gemma 4 "
                                "assistant's do: the gemma_mtp drafter cannot build its assistant (fixed in 5.24.0)"}
 _CACHE_RENAMED = Version("5.24.0")  # past_key_values= -> cache= (argument and output field)
+# transformers features a drafter's transformers peer runs, by the first release that has them
+FEATURES = {"generate(use_mtp=True)": Version("5.14.0"),  # the mtp drafter's peer
+            "MuseGlimmerAssistantModel (DFlash)": Version("5.15.0")}  # the dflash drafter's peer
 
 
 def installed() -> Version:
@@ -64,6 +70,12 @@ def cache_kwargs(cache: Any) -> dict[str, Any]:
 def output_cache(output: Any) -> Any:
     """The cache a model's output carries (None when it carries none)."""
     return getattr(output, CACHE_ARG, None)
+
+
+def require(feature: str) -> None:
+    """Raise ``RuntimeError`` when the installed transformers predates ``feature`` (a :data:`FEATURES` key)."""
+    if installed() < FEATURES[feature]:
+        raise RuntimeError(f"{feature} needs transformers >= {FEATURES[feature]}; found {transformers.__version__}")
 
 
 class CacheLayer(CacheLayerMixin):

@@ -219,13 +219,17 @@ def test_the_kits_planted_section_is_identical_to_autoregressive_at_the_planted_
     monkeypatch.setattr(gpu, "decode", recording_decode)
     res = gpu.bench_planted(target, "cpu", True, gpu.Budget(1e9, gpu.now()), p=0.8, k=4, forward_rows=[])
     rows = res["rows"]
-    # per concurrency: AR, planted, AR, planted, scheduled, scheduled (each timed run after the same run untimed)
-    kinds = [(d, s) for d, s, _ in runs]
-    assert kinds == [(False, False), (True, False), (False, False), (True, False), (True, True), (True, True)] * 2
+    # per concurrency: AR and planted untimed, then timed (r times each), the scheduled run untimed, then timed
+    r = gpu.PLANTED["dry"]["repeats"]
+    ar, plain, sched = (False, False), (True, False), (True, True)
+    per_c = [ar, plain] + [ar] * r + [plain] * r + [sched] * (1 + r)
+    assert [(d, s) for d, s, _ in runs] == per_c * 2
     for c in range(2):
-        at_c = runs[6 * c: 6 * c + 6]
-        assert at_c[0][2] == at_c[2][2] and at_c[1][2] == at_c[3][2] and at_c[4][2] == at_c[5][2]  # untimed = timed
-        assert at_c[3][2] == at_c[5][2]  # the scheduler verified every draft here: the same forwards as without it
+        at_c = runs[len(per_c) * c: len(per_c) * (c + 1)]
+        for kind in (ar, plain, sched):  # every run of a configuration, untimed and timed, ran the same forwards
+            assert len({tuple(f) for d, s, f in at_c if (d, s) == kind}) == 1
+        # the scheduler verified every draft here: the same forwards as without it
+        assert next(f for d, s, f in at_c if (d, s) == plain) == next(f for d, s, f in at_c if (d, s) == sched)
     assert [(r["concurrency"], r["scheduler"]) for r in rows] == [(c, s) for c in (1, 4) for s in (False, True)]
     for r in rows:
         assert r["identical"], r

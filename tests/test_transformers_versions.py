@@ -60,3 +60,13 @@ def test_a_swallowed_cache_argument_fails_instead_of_attending_to_the_block_alon
         target.forward(session, torch.tensor([[4]]))
     with pytest.raises(RuntimeError, match="did not fill the DynamicCache"):
         greedy_reference(model, [1, 2, 3], 2)
+
+
+def test_a_peer_feature_older_than_the_installed_release_is_refused_by_name(monkeypatch):
+    for feature, first in tv.FEATURES.items():
+        assert tv.FLOOR < first
+        monkeypatch.setattr(tv.transformers, "__version__", str(first))
+        tv.require(feature)
+        monkeypatch.setattr(tv.transformers, "__version__", str(tv.FLOOR))
+        with pytest.raises(RuntimeError, match=rf"needs transformers >= {first}; found {tv.FLOOR}"):
+            tv.require(feature)

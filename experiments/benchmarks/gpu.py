@@ -451,8 +451,10 @@ def planted_costs(target, device: str, dry: bool, c: int, k: int, forward_rows: 
     return StepCosts([c * m for m in ms], [at_c[m] for m in ms], [c], [draft]), source
 
 
-PLANTED = {"dry": dict(prompt=16, new=64, concurrencies=(1, 4)),
-           "real": dict(prompt=128, new=64, concurrencies=(1, 4, 16, 64))}
+# repeats: timed runs of each configuration, the one of median wall time kept (a CPU shared with
+# other work can stall one run of a few milliseconds; a GPU run is seconds long)
+PLANTED = {"dry": dict(prompt=16, new=64, concurrencies=(1, 4), repeats=3),
+           "real": dict(prompt=128, new=64, concurrencies=(1, 4, 16, 64), repeats=1)}
 
 
 def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int,
@@ -474,6 +476,11 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
 
     f = PLANTED["dry" if dry else "real"]
     prompt_len, new_tokens = f["prompt"], f["new"]
+
+    def timed(*args, **kwargs):
+        runs = sorted((decode(*args, **kwargs) for _ in range(f["repeats"])), key=lambda r: r.metrics.wall_s)
+        return runs[len(runs) // 2]
+
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
     planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0, pattern="even")  # noqa: E731
@@ -485,11 +492,11 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
         ar_first = decode(target, None, prompts, new_tokens, k)  # untimed, as every run below
         conts = {tuple(q): r.tokens for q, r in zip(prompts, ar_first.requests)}
         decode(target, planted(conts), prompts, new_tokens, k)
-        ar = decode(target, None, prompts, new_tokens, k)
-        plain = decode(target, planted(conts), prompts, new_tokens, k)
+        ar = timed(target, None, prompts, new_tokens, k)
+        plain = timed(target, planted(conts), prompts, new_tokens, k)
         costs, source = planted_costs(target, device, dry, c, k, forward_rows, plain)
         decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
-        scheduled = decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
+        scheduled = timed(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
         if [r.tokens for r in ar.requests] != [r.tokens for r in ar_first.requests]:
             raise RuntimeError(f"two autoregressive runs at concurrency {c} disagree: the target is not deterministic")
         rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
