@@ -152,6 +152,115 @@ def test_exponential_race_samples_the_distribution():
     assert chi_square(torch.bincount(draws, minlength=6), r) > 1e-3
 
 
+# --- memory ordering inside a program (what the interpreter alone cannot show) ---------------------
+class _Poisoned:
+    """``torch`` for a kernel module, whose ``empty`` fills what it allocates with NaN (floats) or
+    -7 (integers): a kernel that reads memory before writing it gives different results."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every ``torch.empty`` of the Triton launchers returns poison."""
+    import specdec.kernels.markov_triton as mk
+    import specdec.kernels.rejection_triton as rk
+
+    for module in (rk, mk):
+        monkeypatch.setattr(module, "torch", _Poisoned())
+
+
+def test_weak_memory_sees_a_store_read_back_without_a_barrier():
+    """The emulation itself: a program that stores a block and reads one element of it back is a
+    hazard (and reads the old value) unless a barrier separates them."""
+    import triton
+    import triton.language as tl
+
+    from specdec.testing.triton_memory import weak_memory
+
+    @triton.jit
+    def store_then_read(buf_ptr, out_ptr, SYNC: tl.constexpr):
+        offs = tl.arange(0, 8)
+        tl.store(buf_ptr + offs, offs + 1.0)
+        if SYNC:
+            tl.debug_barrier()
+        tl.store(out_ptr, tl.load(buf_ptr + 5))
+
+    for sync, hazards, value in ((False, 1, 0.0), (True, 0, 6.0)):
+        buf, out = torch.zeros(8), torch.zeros(1)
+        with weak_memory() as log:
+            store_then_read[(1,)](buf, out, SYNC=sync)
+        assert len(log.hazards) == hazards and out.item() == value
+        assert torch.equal(buf, torch.arange(1.0, 9.0))  # every store lands by the program's end
+
+
+@pytest.mark.parametrize("mode", ["probs", "logits"])
+@pytest.mark.parametrize("dense", [False, True], ids=["deterministic", "dense_q"])
+def test_tree_kernel_reads_its_residual_only_after_a_barrier(poisoned, mode, dense):
+    """A rejected node with a later sibling writes its residual to a scratch row; the sibling's
+    p(x) is then one element of that row, stored by another thread on a GPU. Without a barrier
+    between the two the read races (on an H200 two identical calls disagreed and a row the
+    reference accepts two drafts for accepted none). Under :func:`weak_memory` a store is visible
+    only after a barrier and the scratch starts as NaN, so the race is a wrong answer here."""
+    from specdec.testing.triton_memory import weak_memory
+
+    kit_tree = torch.tensor([-1, -1, 0, 1, 2, 3])  # the GPU kit's tree: two root children, two chains
+    for seed, agree in ((0, 0.0), (1, 3.0), (2, 30.0)):
+        logits, q, tokens, parents, nv, u, noise = _draft(6, 6, 37, dense, seed, True, agree)
+        for par in (parents, kit_tree.expand(6, 6)):
+            kw = (dict(probs=logits.softmax(-1)) if mode == "probs"
+                  else dict(logits=logits, temperature=torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 2.0])))
+            with use_backend("torch"):
+                ref = rejection_sample(tokens, par, nv, u, noise, q, **kw)
+            with use_backend("triton"), weak_memory() as log:
+                ker = rejection_sample(tokens, par, nv, u, noise, q, **kw)
+            assert not log.hazards, log.hazards[:3]
+            _same(ref, ker)
+    assert log.barriers > 0  # the residual was written (and synchronised) at least once
+
+
+def test_markov_kernel_reads_q_back_only_after_a_barrier(poisoned):
+    """The Markov sampler stores q, then reads it back for the inverse CDF: behind a barrier."""
+    from specdec.testing.triton_memory import weak_memory
+
+    g = torch.Generator().manual_seed(1)
+    B, G, V, r = 3, 3, 29, 5
+    U = torch.randn(B, G, V, generator=g) * 2
+    W1, W2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g) * 0.5
+    x0, u = torch.randint(0, V, (B,), generator=g), torch.rand(B, G, generator=g, dtype=torch.float64)
+    t = torch.tensor([1.0, 0.0, 0.8])
+    with use_backend("torch"):
+        ref, q_ref = markov_sample(U, x0, W1, W2, t, u)
+    with use_backend("triton"), weak_memory() as log:
+        ker, q_ker = markov_sample(U, x0, W1, W2, t, u)
+    assert not log.hazards and log.barriers == B * G
+    assert torch.equal(ref, ker)
+    torch.testing.assert_close(q_ker, q_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_streaming_kernels_never_read_what_they_wrote():
+    """The draft-input GEMM and the KV gather write only their outputs, never read back."""
+    from specdec.testing.triton_memory import weak_memory
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 24, generator=g), torch.randn(2, 3, 20, generator=g)
+    W = torch.randn(37, 44, generator=g) * 0.1
+    x, order = torch.randn(2, 3, 11, 10), torch.tensor([[0, 3, 4, 9, 10, 1, 2], [5, 6, 7, 8, 0, 0, 0]])
+    with use_backend("triton"), weak_memory() as log:
+        y = norm_concat_linear([a, b], [torch.ones(24), None], W, 1e-6, None)
+        kv = gather_slots(x, order)
+    assert not log.hazards
+    with use_backend("torch"):
+        torch.testing.assert_close(y, norm_concat_linear([a, b], [torch.ones(24), None], W, 1e-6, None))
+        assert torch.equal(kv, gather_slots(x, order))
+
+
 # --- fused draft input ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_norm_concat_linear_kernel_matches_reference(dtype, tol):
