@@ -118,7 +118,9 @@ if importlib.util.find_spec("specdec") is None:  # a bare checkout on the GPU ma
 
 import torch  # noqa: E402
 
-from benchmarks.kernels import make_inputs  # noqa: E402  (experiments/ is the command's folder)
+# experiments/ is the command's folder
+from benchmarks.kernels import (describe_difference, first_difference, make_inputs,  # noqa: E402
+                               verification_difference)
 from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
                              triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
@@ -203,9 +205,8 @@ def copy_bandwidth(device: str, dry: bool) -> float:
 
 def kernel_cases(device: str, dry: bool):
     """(kernel, shape label, inputs builder) for every kernel and shape; builders return
-    (call(), bytes moved, compare(ref, ker) -> bool)."""
+    (call(), bytes moved, difference(ref, ker) -> the first differing element, or None)."""
     g = torch.Generator(device=device).manual_seed(0)
-    same_tokens = lambda a, b: torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)  # noqa: E731
     Bs, ks, Vs = ((1, 2), (1, 3), (37,)) if dry else ((1, 8, 64), (1, 4, 8), (32_000, 128_256, 152_064, 262_144))
     for variant, mode, tree in (("chain", "probs", False), ("tree", "probs", True), ("chain greedy", "greedy", False)):
         for V in Vs:
@@ -213,7 +214,7 @@ def kernel_cases(device: str, dry: bool):
                 for k in ks:
                     def build(B=B, k=k, V=V, mode=mode, tree=tree):
                         args, kw, nbytes = make_inputs(B, k, V, device, mode, tree=tree)
-                        return (lambda: rejection_sample(*args, **kw)), nbytes, same_tokens
+                        return (lambda: rejection_sample(*args, **kw)), nbytes, verification_difference
                     yield f"rejection {variant}", f"B={B} k={k} V={V}", build
     dt = torch.float32 if dry else torch.bfloat16
     D = 32 if dry else 4096
@@ -225,7 +226,7 @@ def kernel_cases(device: str, dry: bool):
             nbytes = (w.numel() + a.numel() + b.numel() + wa.numel() + M * D) * a.element_size()
             tol = 1e-4 if dt == torch.float32 else 2e-2
             return (lambda: norm_concat_linear([a, b], [wa, wb], w)), nbytes, \
-                lambda x, y: torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+                lambda x, y: first_difference(x, y, atol=tol, rtol=tol)
         yield "draft input", f"M={M} D={D} {str(dt).removeprefix('torch.')}", build_gemm
     gamma, rank, Vm = (3, 4, 37) if dry else (4, 64, 128_256)
     for B in ((1, 2) if dry else (1, 8, 64)):
@@ -235,16 +236,17 @@ def kernel_cases(device: str, dry: bool):
             x0 = torch.randint(0, Vm, (B,), device=device, generator=g)
             u = torch.rand(B, gamma, device=device, generator=g)
             nbytes = (2 * U.numel() + W1.numel() + W2.numel()) * 4  # U read, q written, the bias tables
-            def same(x, y):
-                return torch.equal(x[0], y[0]) and torch.allclose(x[1], y[1], atol=1e-6, rtol=1e-5)
-            return (lambda: markov_sample(U, x0, W1, W2, 0.8, u)), nbytes, same
+            def differs(x, y):  # the tokens exact, q within the module's tolerance
+                return first_difference(x[0], y[0], where="tokens") or \
+                    first_difference(x[1], y[1], atol=1e-6, rtol=1e-5, where="q")
+            return (lambda: markov_sample(U, x0, W1, W2, 0.8, u)), nbytes, differs
         yield "markov sampler", f"B={B} γ={gamma} V={Vm} r={rank}", build_markov
     H, S, Dh = (2, 9, 4) if dry else (8, 1024, 128)
     for B in ((1, 2) if dry else (1, 8, 64)):
         def build_gather(B=B):
             x = torch.randn(B, H, S, Dh, device=device, generator=g).to(dt)
             order = torch.stack([torch.randperm(S, device=device, generator=g) for _ in range(B)])
-            return (lambda: gather_slots(x, order)), 2 * x.numel() * x.element_size(), torch.equal
+            return (lambda: gather_slots(x, order)), 2 * x.numel() * x.element_size(), first_difference
         yield "kv gather", f"B={B} H={H} S={S} D={Dh} {str(dt).removeprefix('torch.')}", build_gather
 
 
@@ -272,7 +274,7 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 
 def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool) -> dict[str, Any]:
     """One case: the torch reference timed, then (``with_triton``) the kernel timed and compared."""
-    call, nbytes, compare = build()
+    call, nbytes, difference = build()
     with use_backend("torch"):
         ref = call()
         t_ref = median_s(call, device)
@@ -281,8 +283,9 @@ def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool) ->
         with use_backend("triton"):
             out = call()
             t_ker = median_s(call, device, repeats=1 if dry else 3)
+        diff = difference(ref, out)
         row.update(triton_ms=t_ker * 1e3, triton_pct_copy_bw=100 * nbytes / t_ker / peak,
-                   speedup=t_ref / t_ker, exact=bool(compare(ref, out)))
+                   speedup=t_ref / t_ker, exact=diff is None, first_difference=diff)
     return row
 
 
@@ -589,6 +592,11 @@ def _f(x: Any, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
+def _exact(row: dict[str, Any]) -> str:
+    """The exact column: True, or the first differing element with the reference's value there."""
+    return describe_difference(row["first_difference"]).replace("|", "/") if "exact" in row else "–"
+
+
 def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
     out = [f"# GPU kit results: {env['gpu']}", "",
            f"{env['date']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}"
@@ -602,7 +610,7 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['shape']} | {_f(r['torch_ms'], '.3f')} | {_f(r['torch_pct_copy_bw'], '.1f')} "
                 f"| {_f(r.get('triton_ms'), '.3f')} | {_f(r.get('triton_pct_copy_bw'), '.1f')} "
-                f"| {_f(r.get('speedup'))} | {r.get('exact', '–')} |" for r in kr["rows"]]
+                f"| {_f(r.get('speedup'))} | {_exact(r)} |" for r in kr["rows"]]
         out += [f"| {r['kernel']} | {r['shape']} | failed: `{r['error'].splitlines()[0][:200].replace('|', '/')}` "
                 "| | | | | |" for r in kr.get("errors", [])]
         out += ["", f"Autotune winners: `{json.dumps(kr['autotune']) if kr['autotune'] else 'none (not tuned)'}`", ""]
