@@ -141,5 +141,29 @@ def test_the_kit_table_shows_the_first_difference(monkeypatch):
     md = gpu.markdown({"kernels": {"path": "compiled", "copy_bandwidth_GBps": 4252.0, "rows": [row, ok],
                                    "errors": [], "autotune": {}}, "errors": {}, "skipped": []},
                       {"gpu": "test", "date": "today", "torch": "x", "triton": "y", "transformers": "z"})
-    assert "| 47.10 | False: num_accepted[23] = 0, reference 2 |" in md
-    assert md.count("| True |") == 1
+    assert "| 47.10 | False: num_accepted[23] = 0, reference 2 | – |" in md
+    assert md.count("| True | – |") == 1
+
+
+def test_the_kit_records_the_path_auto_takes(monkeypatch):
+    """Each kernel row says which path the dispatcher takes there, and the run lists every choice."""
+    gpu = _bench_module("gpu", monkeypatch)
+    from specdec.kernels import choice
+
+    calls = []
+
+    def build():
+        return (lambda: calls.append(1) or torch.ones(2)), 8, gpu.first_difference
+
+    monkeypatch.setattr(choice, "_LAST", {"markov": ("torch", "measured")})
+    row = gpu.kernel_row(build, 1e9, "cpu", True, with_triton=False, dispatched="markov")
+    assert (row["auto"], row["auto_why"]) == ("torch", "measured") and len(calls) >= 2
+    rec = [{"kernel": "markov", "shape": {"B": 64, "G": 4, "V": 128256, "R": 64}, "backend": "torch",
+            "source": "measured", "triton_ms": 13.476, "torch_ms": 4.093}]
+    md = gpu.markdown({"kernels": {"path": "compiled", "copy_bandwidth_GBps": 1.0, "errors": [], "autotune": {},
+                                   "rows": [{"kernel": "markov sampler", "shape": "B=64", **row}]},
+                       "kernel_choices": rec, "errors": {}, "skipped": []},
+                      {"gpu": "test", "date": "today", "torch": "x", "triton": "y", "transformers": "z"})
+    assert "| torch (measured) |" in md
+    assert "| markov | B=64 G=4 V=128256 R=64 | torch | measured | 13.476 | 4.093 |" in md
+    assert set(gpu.DISPATCHED.values()) == {"rejection", "norm_concat_linear", "markov", "gather_slots"}

@@ -8,6 +8,7 @@ tolerances each kernel module states. Vocabularies are not multiples of the inte
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -338,6 +339,129 @@ def test_gather_slots_kernel_equals_reference():
     order = torch.tensor([[0, 3, 4, 9, 10, 1, 2], [5, 6, 7, 8, 0, 0, 0]])
     ref, ker = both(gather_slots, x, order)
     assert torch.equal(ref, ker)
+
+
+# --- which path auto takes on a GPU: measured per device and shape ------------------------------------
+from specdec.kernels import choice  # noqa: E402
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch, tmp_path):
+    """``auto`` as on a GPU (the device rule stubbed: the Triton path runs in the interpreter), an
+    empty choice cache, no choice made yet in this process."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    import specdec.kernels.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "on_gpu_device", lambda *tensors: True)
+    choice.forget()
+    yield tmp_path / "kernels"
+    choice.forget()
+
+
+def _timings(monkeypatch, triton_s: float, torch_s: float) -> list[str]:
+    """Stub the measurement: each path takes the given seconds; returns the paths timed, in order."""
+    timed: list[str] = []
+
+    def seconds(path, fn, device):
+        timed.append(path)
+        return {"triton": triton_s, "torch": torch_s}[path]
+
+    monkeypatch.setattr(choice, "seconds", seconds)
+    return timed
+
+
+def _ran(monkeypatch) -> list[str]:
+    """Which path each gather_slots call ran."""
+    import specdec.kernels.compaction as compaction
+    import specdec.kernels.compaction_triton as compaction_triton
+
+    ran: list[str] = []
+    ref, fused = compaction.gather_slots_reference, compaction_triton.gather_slots_triton
+    monkeypatch.setattr(compaction, "gather_slots_reference", lambda *a: ran.append("torch") or ref(*a))
+    monkeypatch.setattr(compaction_triton, "gather_slots_triton", lambda *a: ran.append("triton") or fused(*a))
+    return ran
+
+
+@pytest.mark.parametrize("faster", ["triton", "torch"])
+def test_auto_takes_the_path_measured_faster(as_on_a_gpu, monkeypatch, faster):
+    timed = _timings(monkeypatch, *((1e-3, 2e-3) if faster == "triton" else (2e-3, 1e-3)))
+    ran = _ran(monkeypatch)
+    x, order = torch.randn(3, 2, 9, 4), torch.randint(0, 9, (3, 5))
+    out = gather_slots(x, order)
+    assert timed == ["triton", "torch"] and ran == [faster]  # measured once, then only the winner runs
+    assert choice.last("gather_slots") == (faster, "measured")
+    assert torch.equal(out, torch.gather(x, 2, order[:, None, :, None].expand(-1, 2, -1, 4)))
+    gather_slots(x[:2], order[:2])  # another row count, the same bucket (B = 2 → 2, 3 → 4): no new bucket
+    gather_slots(x[:1], order[:1])  # B = 1: a bucket of its own, measured
+    assert timed == ["triton", "torch"] * 3 and ran == [faster] * 3
+    rec = choice.record()
+    assert [(r["kernel"], r["shape"]["B"], r["backend"], r["source"]) for r in rec] == [
+        ("gather_slots", 1, faster, "measured"), ("gather_slots", 2, faster, "measured"),
+        ("gather_slots", 4, faster, "measured")]
+    assert rec[0]["shape"] == {"B": 1, "H": 2, "S": 8, "D": 4, "dtype": "float32"}
+    assert {r["triton_ms"] for r in rec} == {1.0 if faster == "triton" else 2.0}
+
+
+def test_a_choice_is_cached_on_disk_per_device_and_shape(as_on_a_gpu, monkeypatch):
+    timed = _timings(monkeypatch, 2e-3, 1e-3)
+    x, order = torch.randn(2, 2, 9, 4), torch.randint(0, 9, (2, 5))
+    gather_slots(x, order)
+    files = sorted(as_on_a_gpu.glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    key = choice.choice_key("gather_slots", {"B": 2, "H": 2, "S": 8, "D": 4, "dtype": "float32"}, x.device)
+    assert saved["key"] == key and saved["backend"] == "torch" and saved["torch_ms"] == 1.0
+    assert set(key) == {"device", "torch", "triton", "kernel", "shape"} and key["device"] == {"name": "cpu", "arch": "cpu"}
+    choice.forget()  # a new process on the same machine: read, not measured
+    ran = _ran(monkeypatch)
+    gather_slots(x, order)
+    assert timed == ["triton", "torch"] and ran == ["torch"] and choice.last("gather_slots") == ("torch", "cached")
+    assert choice.record()[0]["source"] == "cached"
+    # another torch (or GPU, or triton) is another key: measured again
+    saved["key"]["torch"] = "0.0"
+    files[0].write_text(json.dumps(saved))
+    choice.forget()
+    gather_slots(x, order)
+    assert timed == ["triton", "torch"] * 2 and choice.last("gather_slots") == ("torch", "measured")
+
+
+def test_a_forced_backend_is_obeyed_and_never_measured(as_on_a_gpu, monkeypatch):
+    timed = _timings(monkeypatch, 1e-3, 2e-3)
+    ran = _ran(monkeypatch)
+    for forced in ("torch", "triton"):
+        with use_backend(forced):
+            gather_slots(torch.randn(1, 1, 4, 2), torch.tensor([[1, 0]]))
+        assert choice.last("gather_slots") == (forced, "forced")
+    assert timed == [] and ran == ["torch", "triton"] and choice.record() == []
+
+
+def test_every_kernel_names_its_bucket(as_on_a_gpu, monkeypatch):
+    """Each public kernel goes through the measured choice, with the shape its cost depends on."""
+    _timings(monkeypatch, 2e-3, 1e-3)  # the reference wins: fast on CPU
+    logits, q, tokens, parents, nv, u, noise = _draft(3, 5, 37, True, 0)
+    rejection_sample(tokens, parents, nv, u, noise, q, probs=logits.softmax(-1))
+    markov_sample(torch.randn(3, 2, 29), torch.tensor([1, 2, 3]), torch.randn(29, 5), torch.randn(29, 5), 1.0,
+                  torch.rand(3, 2, dtype=torch.float64))
+    norm_concat_linear([torch.randn(3, 24), torch.randn(3, 20)], [torch.ones(24), None], torch.randn(37, 44))
+    shapes = {r["kernel"]: r["shape"] for r in choice.record()}
+    assert shapes == {
+        "rejection": {"B": 4, "n": 8, "V": 37, "scores": "probs", "q": True, "noise": True},
+        "markov": {"B": 4, "G": 2, "V": 29, "R": 5},
+        "norm_concat_linear": {"M": 4, "widths": [24, 20], "N": 37, "norms": [True, False], "bias": False,
+                               "dtype": "float32"}}
+
+
+def test_the_generation_summary_records_each_kernel_path(as_on_a_gpu, monkeypatch, target):
+    _timings(monkeypatch, 2e-3, 1e-3)
+    res = specdec.generate(target, [[1, 2, 3]], RandomDrafter.create(target, siblings="iid"), k=3,
+                           max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=0))
+    kernels = res.summary.kernels
+    assert kernels and {(c["kernel"], c["backend"], c["source"]) for c in kernels} == {("rejection", "torch", "measured")}
+    assert "kernels: rejection torch" in str(res.summary)
+    assert json.loads(res.summary.to_json())["kernels"] == kernels
+    choice.forget()
+    with use_backend("torch"):  # nothing chosen: nothing recorded
+        assert specdec.generate(target, [[1, 2, 3]], None, max_new_tokens=2).summary.kernels is None
 
 
 # --- the conformance suite through the kernels ----------------------------------------------------

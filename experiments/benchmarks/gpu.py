@@ -121,8 +121,8 @@ import torch  # noqa: E402
 # experiments/ is the command's folder
 from benchmarks.kernels import (describe_difference, first_difference, make_inputs,  # noqa: E402
                                verification_difference)
-from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
-                             triton_available, use_backend)
+from specdec.kernels import (choice, gather_slots, markov_sample, norm_concat_linear,  # noqa: E402
+                             rejection_sample, triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
 from specdec.timing import measure, now  # noqa: E402
 
@@ -203,6 +203,11 @@ def copy_bandwidth(device: str, dry: bool) -> float:
     return 2 * n / median_s(lambda: dst.copy_(src), device)
 
 
+# the kit's kernel names -> the dispatcher's (specdec.kernels.choice)
+DISPATCHED = {"rejection chain": "rejection", "rejection tree": "rejection", "rejection chain greedy": "rejection",
+              "draft input": "norm_concat_linear", "markov sampler": "markov", "kv gather": "gather_slots"}
+
+
 def kernel_cases(device: str, dry: bool):
     """(kernel, shape label, inputs builder) for every kernel and shape; builders return
     (call(), bytes moved, difference(ref, ker) -> the first differing element, or None)."""
@@ -262,7 +267,7 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             continue
         seen.add(kernel)
         try:
-            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None)
+            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None, dispatched=DISPATCHED[kernel])
             rows.append({"kernel": kernel, "shape": shape, **row})
         except Exception as e:  # noqa: BLE001  (one broken case must not cost the rest of the table)
             failed.append({"kernel": kernel, "shape": shape, "error": f"{type(e).__name__}: {e}",
@@ -272,8 +277,10 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             "autotune": autotune_winners()}
 
 
-def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool) -> dict[str, Any]:
-    """One case: the torch reference timed, then (``with_triton``) the kernel timed and compared."""
+def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool, dispatched: str) -> dict[str, Any]:
+    """One case: the torch reference timed, then (``with_triton``) the kernel timed and compared,
+    then one call under ``auto``: the path the dispatcher takes there (measured on a GPU, once per
+    shape bucket and machine; the reference off the GPU) and why."""
     call, nbytes, difference = build()
     with use_backend("torch"):
         ref = call()
@@ -286,6 +293,9 @@ def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool) ->
         diff = difference(ref, out)
         row.update(triton_ms=t_ker * 1e3, triton_pct_copy_bw=100 * nbytes / t_ker / peak,
                    speedup=t_ref / t_ker, exact=diff is None, first_difference=diff)
+    with use_backend("auto"):
+        call()
+    row["auto"], row["auto_why"] = choice.last(dispatched) or ("torch", "not dispatched")
     return row
 
 
@@ -597,6 +607,14 @@ def _exact(row: dict[str, Any]) -> str:
     return describe_difference(row["first_difference"]).replace("|", "/") if "exact" in row else "–"
 
 
+def _auto(row: dict[str, Any]) -> str:
+    return f"{row['auto']} ({row['auto_why']})" if "auto" in row else "–"
+
+
+def _bucket(shape: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items()).replace("|", "/")
+
+
 def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
     out = [f"# GPU kit results: {env['gpu']}", "",
            f"{env['date']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}"
@@ -606,13 +624,15 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
         out += ["## Kernels against their torch references", "",
                 f"Triton path: {kr['path']}. Copy bandwidth (device-to-device `copy_`, read + write): "
                 f"{kr['copy_bandwidth_GBps']:.1f} GB/s; % columns are bytes moved / time against it.", "",
-                "| kernel | shape | torch ms | torch % bw | triton ms | triton % bw | speedup | exact |",
-                "|---|---|---|---|---|---|---|---|"]
+                "`auto`: the path the dispatcher takes in that case (`specdec.kernels.choice`: the faster,"
+                " measured once per shape bucket on this GPU, or read from the cache of an earlier run).", "",
+                "| kernel | shape | torch ms | torch % bw | triton ms | triton % bw | speedup | exact | auto |",
+                "|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['shape']} | {_f(r['torch_ms'], '.3f')} | {_f(r['torch_pct_copy_bw'], '.1f')} "
                 f"| {_f(r.get('triton_ms'), '.3f')} | {_f(r.get('triton_pct_copy_bw'), '.1f')} "
-                f"| {_f(r.get('speedup'))} | {_exact(r)} |" for r in kr["rows"]]
+                f"| {_f(r.get('speedup'))} | {_exact(r)} | {_auto(r)} |" for r in kr["rows"]]
         out += [f"| {r['kernel']} | {r['shape']} | failed: `{r['error'].splitlines()[0][:200].replace('|', '/')}` "
-                "| | | | | |" for r in kr.get("errors", [])]
+                "| | | | | | |" for r in kr.get("errors", [])]
         out += ["", f"Autotune winners: `{json.dumps(kr['autotune']) if kr['autotune'] else 'none (not tuned)'}`", ""]
     if "forward" in results:
         fr = results["forward"]
@@ -644,6 +664,12 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 "| part | steps | seconds | tokens | tokens/s | response tokens/s | timed |", "|---|---|---|---|---|---|---|"]
         out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
                 f"| {p['response_tokens'] / p['seconds']:.0f} | {p['what']} |" for i, p in enumerate(tr["parts"])]
+        out.append("")
+    if results.get("kernel_choices"):
+        out += ["## The path each kernel took (all sections)", "",
+                "| kernel | bucket | path | source | triton ms | torch ms |", "|---|---|---|---|---|---|"]
+        out += [f"| {c['kernel']} | {_bucket(c['shape'])} | {c['backend']} | {c['source']} | {_f(c['triton_ms'], '.3f')} "
+                f"| {_f(c['torch_ms'], '.3f')} |" for c in results["kernel_choices"]]
         out.append("")
     if results["errors"]:
         out += ["## Errors", ""] + [f"- {name}: `{e['error']}`" for name, e in results["errors"].items()] + [""]
@@ -753,6 +779,7 @@ def main() -> None:
         """After every section: a machine lost halfway still leaves what it measured (results.json
         first, and whatever the tables fail on, they do not cost it)."""
         results["wall_s"] = round(budget.elapsed(), 2)
+        results["kernel_choices"] = choice.record()  # every path auto chose on this GPU, every section
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         try:
             md = markdown(results, env)
