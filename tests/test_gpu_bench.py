@@ -75,7 +75,7 @@ def test_dry_run_writes_every_file(tmp_path):
     kernels = {r["kernel"] for r in kr["rows"]}
     assert kernels == {"rejection chain", "rejection tree", "rejection chain greedy", "draft input", "markov sampler",
                        "kv gather"}
-    assert all(r["exact"] and r["speedup"] > 0 for r in kr["rows"])
+    assert all(r["exact"] and r["speedup"] > 0 and r["unsynchronised_reads"] == 0 for r in kr["rows"])
     fw = res["forward"]["rows"]
     assert {r["batch"] for r in fw} == {1, 4} and all(r["t_over_t1"] == 1.0 for r in fw if r["m"] == 1)
     planted = res["planted"]

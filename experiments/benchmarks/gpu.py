@@ -19,9 +19,13 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
 1. **kernels**: every Triton kernel against its torch reference on the same inputs: identical
    integers / allclose floats, median time (``triton.testing.do_bench`` on a GPU, a
    ``perf_counter`` loop on CPU), bytes over time as % of a measured device-to-device ``copy_``,
-   speedup over the reference. Real shapes on a GPU; tiny ones in the dry run, where the Triton
-   path runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before triton is imported),
-   or only the reference when triton is absent (``results.json`` says which).
+   speedup over the reference; a case that differs names its first differing element and the
+   reference's value there; and the path ``auto`` takes there (``specdec.kernels.choice``). Real
+   shapes on a GPU; tiny ones in the dry run, where the Triton path runs in Triton's CPU
+   interpreter (``TRITON_INTERPRET=1``, set before triton is imported) under
+   ``specdec.testing.triton_memory.weak_memory`` (a store seen only after a barrier, as on a GPU;
+   each row counts its unsynchronised reads), or only the reference when triton is absent
+   (``results.json`` says which).
 2. **forward**: a random-weight Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, MLP 14336,
    vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
    one forward over m new tokens after a 512-token context, ``t(m)/t(1)``, at batch 1, 4, 16, 64;
@@ -91,6 +95,7 @@ item, runs only if the first part's loop rate says it fits by 360 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -124,6 +129,7 @@ from benchmarks.kernels import (describe_difference, first_difference, make_inpu
 from specdec.kernels import (choice, gather_slots, markov_sample, norm_concat_linear,  # noqa: E402
                              rejection_sample, triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
+from specdec.testing.triton_memory import weak_memory  # noqa: E402
 from specdec.timing import measure, now  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
@@ -287,12 +293,14 @@ def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool, di
         t_ref = median_s(call, device)
     row = {"bytes": nbytes, "torch_ms": t_ref * 1e3, "torch_pct_copy_bw": 100 * nbytes / t_ref / peak}
     if with_triton:
-        with use_backend("triton"):
-            out = call()
+        with use_backend("triton"), (weak_memory() if interpreting() else contextlib.nullcontext()) as log:
+            out = call()  # in the interpreter, as a GPU orders memory: a store is seen only after a barrier
             t_ker = median_s(call, device, repeats=1 if dry else 3)
         diff = difference(ref, out)
         row.update(triton_ms=t_ker * 1e3, triton_pct_copy_bw=100 * nbytes / t_ker / peak,
                    speedup=t_ref / t_ker, exact=diff is None, first_difference=diff)
+        if log is not None:  # loads of the program's own stores not behind a barrier: races on a GPU
+            row["unsynchronised_reads"] = len(log.hazards)
     with use_backend("auto"):
         call()
     row["auto"], row["auto_why"] = choice.last(dispatched) or ("torch", "not dispatched")

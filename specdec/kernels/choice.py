@@ -20,7 +20,9 @@ never measured; off the GPU ``auto`` is the reference, as before. :func:`record`
 this process made, with its source (``measured`` or ``cached``) and times, for a run's summary.
 
 The first call of a new bucket pays the measurement (tens of milliseconds plus any compile): warm
-a benchmark up before timing it, as for Triton's autotuning.
+a benchmark up before timing it, as for Triton's autotuning. Inside a CUDA graph capture or a
+``torch.compile`` trace nothing is timed: a bucket not chosen yet takes the Triton path there,
+unrecorded, and is measured at its first call outside.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Choice:
     kernel: str
     shape: dict[str, Any]
     backend: str  # "triton" or "torch"
-    source: str  # "measured" (here, now), "cached" (an earlier process on this machine)
+    source: str  # "measured" (here, now), "cached" (an earlier process on this machine), or why not timed
     triton_ms: float | None
     torch_ms: float | None
 
@@ -131,11 +133,19 @@ def seconds(path: str, fn: Callable[[], Any], device: torch.device) -> float:
     return measure(fn, REPEATS, warmup=WARMUP, device=device).median
 
 
+def _cannot_time(device: torch.device) -> bool:
+    """True inside a CUDA graph capture or a ``torch.compile`` trace, where nothing may be timed."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return capturing or torch.compiler.is_compiling()
+
+
 def _choose(kernel: str, shape: Mapping[str, Any], device: torch.device, reference: Callable[[], Any],
             fused: Callable[[], Any]) -> Choice:
     key = choice_key(kernel, shape, device)
     digest = _digest(key)
     choice = _CHOSEN.get(digest) or _cached(key)
+    if choice is None and _cannot_time(device):
+        return Choice(kernel, dict(shape), "triton", "not timed: inside a graph capture or a compile", None, None)
     if choice is None:
         t_fused, t_ref = seconds("triton", fused, device), seconds("torch", reference, device)
         choice = Choice(kernel, dict(shape), "triton" if t_fused < t_ref else "torch", "measured",
