@@ -550,3 +550,21 @@ def test_kernels_compile_for_mi300x_without_a_gpu():
                           "--targets", "gfx942"], env={**env, "TRITON_DEFAULT_FP_FUSION": "1"},
                          cwd=ROOT / "experiments", capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "all compiled" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_barriers_survive_compilation_for_sm_90():
+    """The tree kernel's barrier (after its residual is written) and the Markov sampler's (before q is
+    read back) are in the code compiled for an H200: one ``ttg.barrier`` each after Triton's passes
+    (the reductions' own barriers come later, in the lowering to LLVM)."""
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from benchmarks.compile_kernels import kernels, compile_one, TARGETS\n"
+            "for name, fn, types, consts, configs in kernels('cuda', True):\n"
+            "    if name in ('rejection', 'markov'):\n"
+            "        b = compile_one(fn, types, consts, configs[0], TARGETS['cuda'])\n"
+            "        print(name, b.asm['ttgir'].count('ttg.barrier'), 'bar.sync' in b.asm['ptx'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT / "experiments", capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["rejection 1 True", "markov 1 True"], out.stdout

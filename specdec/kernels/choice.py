@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,6 +65,7 @@ class Choice:
 
 
 _CHOSEN: dict[str, Choice] = {}  # cache-key digest -> choice, for this process
+_BY_CALL: dict[tuple, Choice] = {}  # (kernel, device, bucket) -> choice: the per-call lookup, no hashing of keys
 _LAST: dict[str, tuple[str, str]] = {}  # kernel -> (backend, why) of its latest call
 
 
@@ -84,18 +86,29 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+@lru_cache(maxsize=None)
+def _triton_version() -> str | None:
+    return _version("triton")
+
+
+@lru_cache(maxsize=None)
+def _device_name(kind: str, index: int | None) -> tuple[str, str]:
+    if kind != "cuda":
+        return kind, kind
+    props = torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device())
+    arch = props.gcnArchName.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
+    return props.name, arch
+
+
 def device_name(device: torch.device) -> dict[str, str]:
     """The GPU as a cache key names it: its name and architecture (``sm_90``, ``gfx942``)."""
-    if device.type != "cuda":
-        return {"name": device.type, "arch": device.type}
-    props = torch.cuda.get_device_properties(device)
-    arch = props.gcnArchName.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
-    return {"name": props.name, "arch": arch}
+    name, arch = _device_name(device.type, device.index)
+    return {"name": name, "arch": arch}
 
 
 def choice_key(kernel: str, shape: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
     """What a cached choice holds for: this GPU, these torch and triton versions, this kernel and bucket."""
-    return {"device": device_name(device), "torch": torch.__version__, "triton": _version("triton"),
+    return {"device": device_name(device), "torch": torch.__version__, "triton": _triton_version(),
             "kernel": kernel, "shape": dict(shape)}
 
 
@@ -141,6 +154,18 @@ def _cannot_time(device: torch.device) -> bool:
 
 def _choose(kernel: str, shape: Mapping[str, Any], device: torch.device, reference: Callable[[], Any],
             fused: Callable[[], Any]) -> Choice:
+    call_key = (kernel, device.type, device.index, *((k, tuple(v) if isinstance(v, list) else v)
+                                                     for k, v in shape.items()))
+    choice = _BY_CALL.get(call_key)
+    if choice is None:
+        choice = _choose_once(kernel, shape, device, reference, fused)
+        if choice.source in ("measured", "cached"):
+            _BY_CALL[call_key] = choice
+    return choice
+
+
+def _choose_once(kernel: str, shape: Mapping[str, Any], device: torch.device, reference: Callable[[], Any],
+                 fused: Callable[[], Any]) -> Choice:
     key = choice_key(kernel, shape, device)
     digest = _digest(key)
     choice = _CHOSEN.get(digest) or _cached(key)
@@ -184,4 +209,5 @@ def last(kernel: str) -> tuple[str, str] | None:
 def forget() -> None:
     """Drop this process's choices (the disk cache stays): the next call reads or measures again."""
     _CHOSEN.clear()
+    _BY_CALL.clear()
     _LAST.clear()
