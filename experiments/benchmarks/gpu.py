@@ -67,8 +67,10 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   ``do_bench`` calls of ~35 ms (warm-up 5 ms, 20 ms of repeats, plus the first call) ≈ 8 s; input
   generation (multinomial over up to 64·8 × 262k) ≈ 15 s. Draft input 3 M × 2 paths, 4 GEMM
   configs compiled (~8 s); Markov 3 B × 2 paths, its own configs (BLOCK 128–512, those whose
-  ``[BLOCK, 64]`` tile fits 16K elements: 3, ~5 s); KV gather 3 shapes (one compile). Kernels
-  total ≈ 90 s (a kernel's first case is budgeted at 20 s, the others at 3 s).
+  ``[BLOCK, 64]`` tile fits 16K elements: 3, ~5 s); KV gather 3 shapes (one compile). One call
+  per case under ``auto``: each is a new bucket of the dispatcher, which times both paths (9 calls
+  each: 117 cases × ~18 calls of 0.1–13 ms ≈ 10 s). Kernels total ≈ 100 s (a kernel's first case
+  is budgeted at 20 s, the others at 3 s).
 - forward: building 8.0 B bf16 parameters on the GPU ≈ 10 s. Per batch B ∈ {1, 4, 16, 64}: a
   512-token prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up
   + 5 timed) forwards: 168 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s;
@@ -87,7 +89,7 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   ~20 000 launches ≈ 0.2–0.3 s, plus a 30-layer feature forward over 32 × ~330 tokens (~5 ms);
   350 steps ≈ 70–105 s, with two held-out evaluations (19 sequences) ≈ 105 s in all.
 
-Sum ≈ 15 + 90 + 30 + 30 + 30 + 105 ≈ 300 s (5 minutes), under the 8 minutes with the 360 s
+Sum ≈ 15 + 100 + 30 + 30 + 30 + 105 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
 guard covering a slow compile cache or a slower GPU (the training's second part, the largest
 item, runs only if the first part's loop rate says it fits by 360 s).
 """
@@ -273,7 +275,8 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             continue
         seen.add(kernel)
         try:
-            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None, dispatched=DISPATCHED[kernel])
+            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None,
+                             dispatched=DISPATCHED[kernel])
             rows.append({"kernel": kernel, "shape": shape, **row})
         except Exception as e:  # noqa: BLE001  (one broken case must not cost the rest of the table)
             failed.append({"kernel": kernel, "shape": shape, "error": f"{type(e).__name__}: {e}",
@@ -400,18 +403,21 @@ def decode(target, drafter, prompts: list[list[int]], new_tokens: int, k: int, p
                eos_token_ids=set(), timed=target.device.type == "cuda", policy=policy)
 
 
-def warm_verifier(target, k: int) -> None:
+def warm_verifier(target, k: int, batches: tuple[int, ...] = (1,)) -> None:
     """Compile the greedy verifier's kernel for every draft count 0..k at the target's vocabulary
     before anything is timed: its ``N_POW2`` is a constexpr (one compile per next_pow2(n)), ``n``
-    is specialised at 0 and 1, and the autotuner keys on V; each would otherwise land in a timed run."""
+    is specialised at 0 and 1, and the autotuner keys on V; each would otherwise land in a timed run.
+    At each batch size too: the dispatcher times both paths at the first call of each (rows, draft
+    count) bucket (``specdec.kernels.choice``), and that must not land in a timed run either."""
     from specdec.kernels.rejection import rejection_sample
     from specdec.types import chain_parents
 
     dev, V = target.device, target.vocab_size
-    for n in range(k + 1):
-        rejection_sample(torch.zeros(1, n, dtype=torch.long, device=dev), chain_parents(n, 1, dev),
-                         torch.full((1,), n, dtype=torch.long, device=dev), torch.zeros(1, n, device=dev), None, None,
-                         logits=torch.zeros(1, n + 1, V, device=dev), temperature=torch.zeros(1, device=dev))
+    for B in batches:
+        for n in range(k + 1):
+            rejection_sample(torch.zeros(B, n, dtype=torch.long, device=dev), chain_parents(n, B, dev),
+                             torch.full((B,), n, dtype=torch.long, device=dev), torch.zeros(B, n, device=dev), None,
+                             None, logits=torch.zeros(B, n + 1, V, device=dev), temperature=torch.zeros(B, device=dev))
 
 
 def compare(ar, spec, k: int) -> dict[str, Any]:
@@ -470,7 +476,7 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
     planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
-    warm_verifier(target, k)
+    warm_verifier(target, k, concurrencies)
     decode(target, planted({}), [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
     for c in concurrencies:
         if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 9.0):
