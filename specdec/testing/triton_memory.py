@@ -67,15 +67,15 @@ def weak_memory() -> Iterator[MemoryLog]:
     def raw_store(ptrs, value, mask):
         it._interpreter.store(ptrs, value, mask)
 
-    def load(ptrs, mask, other, cache_policy, is_volatile):
+    def load(ptrs, mask, *rest, **kwargs):  # the cache and volatility arguments vary across Triton versions
         if log._addresses:
             touched = np.asarray(ptrs.data)[np.asarray(mask.data, dtype=bool)].ravel().tolist()
             shared = sum(1 for a in touched if a in log._addresses)
             if shared:
                 log.hazards.append(Hazard(tuple(builder.grid_idx), shared))
-        return orig_load(ptrs, mask, other, cache_policy, is_volatile)
+        return orig_load(ptrs, mask, *rest, **kwargs)
 
-    def store(ptrs, value, mask, cache_policy):
+    def store(ptrs, value, mask, *rest, **kwargs):
         p, v, m = (np.array(x.data, copy=True) for x in (ptrs, value, mask))
         log._pending.append((p, v, m))
         log._addresses.update(p[m.astype(bool)].ravel().tolist())
