@@ -9,6 +9,10 @@
 - :func:`q_contract` — the q a drafter returns is the distribution it sampled from.
 - :class:`RandomDrafter` — an adversarial drafter: random chains or trees, with i.i.d.,
   without-replacement or deterministic siblings and random (but exactly reported) q.
+
+Kernel authors: :mod:`specdec.testing.triton_memory` runs Triton's interpreter with a GPU's memory
+ordering (a store seen only after a barrier), so a kernel that reads its own unsynchronised writes
+fails on CPU as it would on the hardware.
 """
 
 from __future__ import annotations
