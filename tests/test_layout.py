@@ -72,6 +72,80 @@ def test_imports_point_inward(module):
     assert not bad, f"{module} ({layer}) imports {bad}"
 
 
+def _edges(module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` imports: ``from P import x`` names ``P.x`` when that
+    is a module, else ``P``; ``import P.x`` the longest prefix that is one; relative imports are
+    resolved against ``module``'s package."""
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    path = modules[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(known(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base) for a in node.names)
+    return out - {None, module}
+
+
+def import_cycles(modules: dict[str, Path] = MODULES) -> list[list[str]]:
+    """Every circle of imports among ``modules`` (the strongly connected components of more than one
+    module, by Tarjan's algorithm), each sorted."""
+    graph = {m: sorted(_edges(m, modules)) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module imports, however indirectly, one that imports it back (function-level imports
+    count: a circle hidden in a function is still a circle)."""
+    assert not import_cycles(), f"import circles: {import_cycles()}"
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_and_a_relative_import(tmp_path):
+    (tmp_path / "p").mkdir()
+    files = {"specdec.p": tmp_path / "p" / "__init__.py", "specdec.p.a": tmp_path / "p" / "a.py",
+             "specdec.p.b": tmp_path / "p" / "b.py", "specdec.c": tmp_path / "c.py"}
+    files["specdec.p"].write_text("")
+    files["specdec.p.a"].write_text("from .b import x\n")
+    files["specdec.p.b"].write_text("import specdec.c\n")
+    files["specdec.c"].write_text("def f():\n    from specdec.p import a\n")
+    assert import_cycles(files) == [["specdec.c", "specdec.p.a", "specdec.p.b"]]
+    files["specdec.c"].write_text("def f():\n    from specdec import p\n")  # the package, not a
+
+    assert import_cycles(files) == []
+
+
 def test_drafter_modules_import_training_only_from_their_training_code():
     bad = {m: sorted(i for i in _imports(p) if _layer(i) in ("specdec.training", "specdec.data"))
            for m, p in MODULES.items() if _layer(m) == "specdec.drafters" and p.name != "train.py"}

@@ -49,10 +49,11 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.data.sequences import TokenSeq
+from specdec.data.sources import SOURCE_NAMES, StoreItem, store_items
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
 
-__all__ = ["FORMAT", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
+__all__ = ["FORMAT", "StoreItem", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
            "target_kv", "forward_with_kv", "store_bytes_per_token", "throughput", "main"]
 
 FORMAT = "specdec-feature-store/1"
@@ -243,15 +244,6 @@ class StoredRow:
 
 
 # --- writing ----------------------------------------------------------------------------------------
-
-@dataclass
-class StoreItem:
-    """One sequence to store, with the source it came from and its held-out mark (decided by the source)."""
-
-    seq: TokenSeq
-    source: int
-    held_out: bool
-
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
@@ -448,7 +440,6 @@ DEFAULT_RECIPES = ("specdec.drafters.eagle3.train.Eagle3Recipe", "specdec.drafte
 def main(argv: list[str] | None = None) -> None:
     """``python -m specdec.data.store``: fill (or resume) a store from the recorded sources."""
     from specdec.data.config import TargetConfig, build_target
-    from specdec.data.sources import SOURCE_NAMES, store_items
 
     p = argparse.ArgumentParser(prog="python -m specdec.data.store", description=main.__doc__)
     p.add_argument("--out", required=True, help="the store folder (resumed if it exists)")
