@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -60,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.provenance import cpu_model
 from specdec.timing import Stopwatch
 
 __all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
@@ -306,17 +306,6 @@ def choose(times: Mapping[int, Mapping[str, float]]) -> Plan:
             if measured[lo] == "packed":
                 plan.update(dict.fromkeys(range(lo + 1, hi), "packed"))
     return MappingProxyType(plan)
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else what ``platform`` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def cache_folder() -> Path:

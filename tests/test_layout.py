@@ -276,3 +276,16 @@ def test_the_runners_package_names_no_drafter_module(module):
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(MODULES[module].read_text().splitlines(), 1)
             if DRAFTER_MODULE.search(line)]
     assert not hits, "\n".join(hits)
+
+
+# The machine is read in one place (specdec/provenance.py: cpu(), once per process), so every record
+# names the CPU the same way.
+CPUINFO = re.compile(r"""(["'])/proc/cpuinfo\1|(["'])lscpu\2""")
+
+
+def test_only_provenance_reads_the_cpu():
+    files = [f for folder in ("specdec", "drafters", "verifiers", "experiments", "tests") for f in (ROOT / folder).rglob("*.py")]
+    hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
+            if f.relative_to(ROOT).as_posix() not in ("specdec/provenance.py", "tests/test_layout.py")
+            for i, line in enumerate(f.read_text().splitlines(), 1) if CPUINFO.search(line.split("#")[0])]
+    assert not hits, "read the CPU with specdec.provenance.cpu():\n" + "\n".join(hits)

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from specdec.data.sequences import TokenSeq
 from specdec.data.sources import SOURCE_NAMES, StoreItem, store_items
+from specdec.provenance import machine
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
 
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
             if n >= a.throughput:
                 break
         rows = throughput(target, first, needs, batch_tokens=a.batch_tokens)
-        info = {"command": command, "cpu": _cpu(), "threads": torch.get_num_threads(), "layers": list(needs.layers),
+        info = {"command": command, "machine": machine(), "layers": list(needs.layers),
                 "kv_layers": list(needs.kv), "bytes_per_token": store_bytes_per_token(target, needs), "rows": rows}
         print(json.dumps(info, indent=1))
         return
@@ -491,18 +492,6 @@ def main(argv: list[str] | None = None) -> None:
                         target_hash=checkpoint_hash)
     print(f"{store.path}: {store.num_tokens:,} tokens, {len(store.sequences):,} sequences, hidden states "
           f"{list(store.layers)}, K/V layers {list(store.kv_layers)}")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

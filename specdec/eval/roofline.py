@@ -64,6 +64,7 @@ from torch import Tensor, nn
 
 from specdec import few_rows
 from specdec.gqa_attention import packed_rows
+from specdec.provenance import cpu
 from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
@@ -474,16 +475,11 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # what decides which BLAS kernels run (docs/roofline.md)
-
-
 def _machine(device: torch.device) -> dict[str, Any]:
     """The device, and on a CPU its model name and the vector/matrix extensions it has: CPUs that
     print the same name ran the same forward at different speeds."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-    return {"device": str(device), "cpu": cpu, "cpu_isa": [f for f in _ISA if f in flags], "cpu_count": os.cpu_count(),
+    c = cpu()
+    return {"device": str(device), "cpu": c.model, "cpu_isa": list(c.isa), "cpu_count": os.cpu_count(),
             "llc_mib": _llc_mib(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 

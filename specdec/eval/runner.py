@@ -49,7 +49,7 @@ from specdec.metrics import RequestMetrics, RunMetrics, summarize
 from specdec.registry import transformers_peer
 from specdec.timing import now
 from specdec.policy import make_policy
-from specdec.provenance import git_sha
+from specdec.provenance import git_sha, record
 from specdec.registry import drafter_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
@@ -436,21 +436,12 @@ def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, in
 # output files
 
 def write_config(cfg: RunConfig, out: Path) -> None:
-    """``config.json``: what ran (the config, the command, git SHA, versions, the machine: CPU model,
-    torch threads, dtype, and the date), in every run folder: what a results table is rendered with."""
+    """``config.json``: what ran (the config and its :func:`specdec.provenance.record`: the command,
+    git SHA and dirty flag, versions, the machine: CPU model and extensions, GPU, torch threads,
+    dtype, and the date), in every run folder: what a results table is rendered with."""
     out.mkdir(parents=True, exist_ok=True)
-    import time
-
-    import transformers
-
-    from specdec.few_rows import cpu_model
-    from specdec.provenance import command_line
-
-    gpu = torch.cuda.get_device_name() if cfg.target.device_map and torch.cuda.is_available() else None
-    meta = {"config": asdict(cfg), "command": command_line(), "git_sha": git_sha(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-            "machine": {"cpu": cpu_model(), "gpu": gpu, "threads": torch.get_num_threads(), "dtype": cfg.target.dtype},
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    on_gpu = bool(cfg.target.device_map) and torch.cuda.is_available()
+    meta = {"config": asdict(cfg), **record(cfg.target.dtype, on_gpu=on_gpu), "torch_threads": torch.get_num_threads()}
     (out / "config.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
 

@@ -376,15 +376,9 @@ def _git_sha() -> str:
 
 
 def _machine() -> str:
-    import platform
+    from specdec.provenance import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, one torch thread per job (threads=1), the machine shared with other jobs"
+    return f"{cpu_model()}, one torch thread per job (threads=1), the machine shared with other jobs"
 
 
 def _today() -> str:
