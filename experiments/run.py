@@ -7,8 +7,8 @@
     .venv/bin/python experiments/run.py --config-name eagle3_trees -m       # a preset: conf/<preset>.yaml
     .venv/bin/python experiments/run.py --config-name roofline        # mode: roofline (docs/roofline.md)
 
-Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
-``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose
+Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; every other
+``conf/<question>.yaml`` is a preset: one question, its runs and sweeps (docs/experiments.md). All compose
 onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
 ``OmegaConf.to_object``: types are checked, unknown keys fail by name (even added with ``+``), and the library sees only its own
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):

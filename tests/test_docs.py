@@ -1,0 +1,111 @@
+"""Docs that cannot drift: every repository path the prose names exists.
+
+Read from README.md, docs/**/*.md (text and relative links, resolved against the page), the
+comments and docstrings of the library, the lab and the tests, and the Makefile's comments. A path
+is one under a top folder of this repository (``specdec/``, ``drafters/``, ``verifiers/``,
+``docs/``, ``experiments/``, ``tests/``; ``conf/`` is the runner's, ``experiments/conf/``).
+Placeholders (``<name>``, ``{x}``) are not paths; a glob (``docs/results/*.md``) must match
+something; a stem (``--out docs/results/learning_curves``) names the files beside it; a folder a
+command writes into (after ``--out`` or ``OUT=``) need not exist yet.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = re.compile(r"(?<![\w./~@:-])(?:specdec|drafters|verifiers|docs|experiments|tests|conf)/[\w./*<>{}-]*[\w*>}/]")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+OUTPUT = re.compile(r"(?:--out[= ]|OUT=)\S*$")
+# a diary of past runs and the figure page only it links to, kept as written: the paths they name
+# (scripts and presets since folded into the runner) are those of their commits
+HISTORY = {"docs/results/archive.md", "docs/figures/drafters_longer/acceptance.md"}
+
+
+def _exists(path: str, page: Path) -> bool:
+    path = path.rstrip("./") or path
+    if re.search(r"[<>{}]", path):
+        return True
+    path = "experiments/" + path if path.startswith("conf/") else path
+    if "*" in path:
+        return any(ROOT.glob(path))
+    return any((base / path).exists() or any(base.glob(path + ".*")) for base in (ROOT, page.parent))
+
+
+def _python_prose(path: Path) -> list[tuple[int, str]]:
+    """The comments and docstrings of a Python file, with their first line numbers."""
+    src = path.read_text()
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(src).readline)
+           if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                out.append((node.body[0].lineno, doc))
+    return out
+
+
+def _prose() -> dict[Path, list[tuple[int, str]]]:
+    """Every text this test reads, by file: (line number, text)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    found = {p: list(enumerate(p.read_text().splitlines(), 1)) for p in pages
+             if p.relative_to(ROOT).as_posix() not in HISTORY}
+    for folder in ("specdec", "drafters", "verifiers", "experiments", "tests"):
+        found.update({f: _python_prose(f) for f in sorted((ROOT / folder).rglob("*.py"))})
+    found[ROOT / "Makefile"] = [(i, line) for i, line in enumerate((ROOT / "Makefile").read_text().splitlines(), 1)
+                                if line.lstrip().startswith("#")]
+    return found
+
+
+def missing_paths(prose: dict[Path, list[tuple[int, str]]] | None = None) -> list[str]:
+    """``file:line: path`` for every path named in ``prose`` (default: :func:`_prose`) that is not here."""
+    bad = []
+    for page, lines in (prose if prose is not None else _prose()).items():
+        rel = page.relative_to(ROOT)
+        for number, text in lines:
+            if page.suffix == ".md":
+                for link in LINK.findall(text):
+                    target = link.split("#")[0]
+                    if target and not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+                        bad.append(f"{rel}:{number}: link {target}")
+                text = LINK.sub("]", text)  # the links are checked above, against their page
+            for m in PATH.finditer(text):
+                if not OUTPUT.search(text[:m.start()]) and not _exists(m.group(0), page):
+                    bad.append(f"{rel}:{number}: {m.group(0)}")
+    return bad
+
+
+def test_every_path_the_docs_name_exists():
+    bad = missing_paths()
+    assert not bad, "paths named in prose that are not in the repository:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("see `specdec/loop.py`", True), ("see `specdec/gone.py`", False), ("[x](../README.md)", True),
+    ("[x](missing.md#a)", False), ("`conf/ngram_sweep.yaml`", True), ("`conf/bench_*.yaml`", False),
+    ("`experiments/conf/<question>.yaml`", True), ("--out docs/new/folder", True),
+    ("~/.cache/specdec/few_rows/", True), ("z-lab/dflash's `tests/fixtures/x.json`", False),
+])
+def test_the_path_finder(text, ok):
+    assert (missing_paths({ROOT / "docs" / "page.md": [(1, text)]}) == []) == ok
+
+
+def test_the_results_index_lists_each_question_once():
+    """docs/results.md lists each rendered page under "Current tables" and every other question in
+    the table of those not rendered yet, never one in both or a rendered page in neither."""
+    index = (ROOT / "docs" / "results.md").read_text()
+    current, _, rest = index.partition("## Current tables")[2].partition("\n## ")
+    pending = index.partition("## Questions whose current table has not been rendered yet")[2]
+    assert current and pending, "docs/results.md lost one of its two lists"
+    rendered = set(re.findall(r"\]\(results/(\w+)\.md\)", current))
+    not_rendered = {q for row in pending.splitlines() if row.startswith("| `")
+                    for q in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert not rendered & not_rendered, f"listed as rendered and as not rendered: {sorted(rendered & not_rendered)}"
+    pages = {p.stem for p in (ROOT / "docs" / "results").glob("*.md")} - {Path(h).stem for h in HISTORY}
+    assert pages == rendered, f"rendered pages not listed: {sorted(pages - rendered)}; listed, missing: {sorted(rendered - pages)}"
