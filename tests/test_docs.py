@@ -109,3 +109,11 @@ def test_the_results_index_lists_each_question_once():
     assert not rendered & not_rendered, f"listed as rendered and as not rendered: {sorted(rendered & not_rendered)}"
     pages = {p.stem for p in (ROOT / "docs" / "results").glob("*.md")} - {Path(h).stem for h in HISTORY}
     assert pages == rendered, f"rendered pages not listed: {sorted(pages - rendered)}; listed, missing: {sorted(rendered - pages)}"
+
+
+def test_the_architecture_table_has_a_row_for_every_registered_drafter():
+    import tomllib
+
+    drafters = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["specdec.drafters"]
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert not [name for name in drafters if f"| `{name}` |" not in page]

@@ -9,11 +9,13 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
 PACKAGES = {"specdec": ROOT / "specdec", "specdec.drafters": ROOT / "drafters", "specdec.verifiers": ROOT / "verifiers"}
 
 
@@ -49,20 +51,73 @@ def _layer(module: str) -> str:
     return "core"
 
 
-# Which layer may import which (besides itself): the core only itself.
+# Which layer may import which (besides itself): the core only itself and its kernels.
 ALLOWED = {
     "core": {"specdec.kernels"},
     "specdec.kernels": {"core"},
     "specdec.verifiers": {"core", "specdec.kernels"},
-    # tiny() factories build random tiny models with the test tools; train.py files use the trainer
     "specdec.drafters": {"core", "specdec.kernels", "specdec.training", "specdec.testing", "specdec.data"},
-    # the data layer sits below training and evaluation: it generates sequences with the loop (a
-    # verifier) and builds the tiny target of the test tools; it never imports training or eval
     "specdec.data": {"core", "specdec.kernels", "specdec.verifiers", "specdec.testing"},
-    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},  # never eval
+    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},
     "specdec.eval": {"core", "specdec.testing", "specdec.data"},
-    "specdec.testing": {"core", "specdec.verifiers"},  # the suite verifies with every verifier
+    "specdec.testing": {"core", "specdec.verifiers"},
 }
+# why a layer imports what it does (rendered into the drawing of docs/architecture.md)
+WHY = {
+    "core": "never names a drafter: drafters and verifiers are found by name (specdec.registry)",
+    "specdec.drafters": "tiny() builds random tiny models with the test tools; only train.py imports the trainer"
+                        " and the data layer",
+    "specdec.data": "below training and evaluation: generates sequences with the loop (a verifier), builds the"
+                    " test tools' tiny target",
+    "specdec.training": "never evaluation",
+    "specdec.testing": "the conformance suite verifies with every verifier",
+}
+FOLDERS = {"core": "specdec/*.py", "specdec.kernels": "specdec/kernels/", "specdec.verifiers": "verifiers/",
+           "specdec.drafters": "drafters/", "specdec.data": "specdec/data/", "specdec.training": "specdec/training/",
+           "specdec.eval": "specdec/eval/", "specdec.testing": "specdec/testing/"}
+LAYOUT_MARK = "<!-- the layout: rendered from tests/test_layout.py's rules by `python tests/test_layout.py` -->"
+
+
+def _reach(layer: str) -> set[str]:
+    seen, todo = set(), [layer]
+    while todo:
+        for nxt in ALLOWED[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen - {layer}
+
+
+def render_layout() -> str:
+    """The drawing of docs/architecture.md: every layer, highest first (the most layers below it),
+    with its folder, what it holds (read from the tree) and what it may import (:data:`ALLOWED`)."""
+    def members(layer: str) -> list[str]:
+        prefix = "specdec" if layer == "core" else layer
+        rests = [(m[len(prefix) + 1:], MODULES[m].name == "__init__.py") for m in MODULES
+                 if _layer(m) == layer and m != prefix]
+        return sorted({rest.split(".")[0] + ("/" if package or "." in rest else "") for rest, package in rests})
+
+    def block(folder: str, holds: list[str], imports: str, why: str | None) -> list[str]:
+        lines = textwrap.wrap(" ".join(holds), 100, initial_indent=f"{folder:<18}", subsequent_indent=" " * 18)
+        lines += textwrap.wrap(f"imports {imports}", 100, initial_indent=" " * 4, subsequent_indent=" " * 12)
+        return lines + (textwrap.wrap(f"why: {why}", 100, initial_indent=" " * 4, subsequent_indent=" " * 9) if why else [])
+
+    lab = sorted(f.name for f in EXPERIMENTS.glob("*.py")) + sorted(f"{d.name}/" for d in EXPERIMENTS.iterdir()
+                                                                   if d.is_dir() and not d.name.startswith(("_", ".")))
+    lines = block("experiments/", lab, "any layer: the lab (runner, trainer, reports, benchmarks); no layer imports it", None)
+    for layer in sorted(ALLOWED, key=lambda x: (-len(_reach(x)), FOLDERS[x])):
+        lines += block(FOLDERS[layer], members(layer), ", ".join(sorted(FOLDERS[x] for x in ALLOWED[layer])),
+                       WHY.get(layer))
+    return "\n".join(lines) + "\n"
+
+
+def _drawing(text: str) -> str:
+    return text.partition(LAYOUT_MARK)[2].partition("```text\n")[2].partition("```")[0]
+
+
+def test_the_architecture_drawing_is_rendered_from_these_rules():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert LAYOUT_MARK in page, "docs/architecture.md lost its rendered layout"
+    assert _drawing(page) == render_layout(), "docs/architecture.md's layout is stale: run python tests/test_layout.py"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -172,7 +227,6 @@ def test_drafters_use_only_the_target_seam(module):
 
 
 # --- the house rules of issue 31 ---------------------------------------------------------------------
-EXPERIMENTS = ROOT / "experiments"
 # what may stay a script in experiments/: the runner, the trainer, and thin commands, each with a docstring
 COMMANDS = {
     "run.py": "the one runner (Hydra): every decoding question is a preset of it",
@@ -289,3 +343,9 @@ def test_only_provenance_reads_the_cpu():
             if f.relative_to(ROOT).as_posix() not in ("specdec/provenance.py", "tests/test_layout.py")
             for i, line in enumerate(f.read_text().splitlines(), 1) if CPUINFO.search(line.split("#")[0])]
     assert not hits, "read the CPU with specdec.provenance.cpu():\n" + "\n".join(hits)
+
+
+if __name__ == "__main__":  # render the layout into docs/architecture.md
+    architecture = ROOT / "docs" / "architecture.md"
+    text = architecture.read_text()
+    architecture.write_text(text.replace(_drawing(text), render_layout(), 1) if _drawing(text) else text)
