@@ -112,8 +112,8 @@ def test_the_results_index_lists_each_question_once():
 
 
 def test_the_architecture_table_has_a_row_for_every_registered_drafter():
-    import tomllib
-
-    drafters = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["specdec.drafters"]
+    group = (ROOT / "pyproject.toml").read_text().partition('[project.entry-points."specdec.drafters"]')[2].partition("\n[")[0]
+    drafters = re.findall(r"^(\w+) = ", group, flags=re.M)
+    assert len(drafters) >= 9, "pyproject.toml's drafter entry points were not found"
     page = (ROOT / "docs" / "architecture.md").read_text()
     assert not [name for name in drafters if f"| `{name}` |" not in page]
