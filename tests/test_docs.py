@@ -117,3 +117,30 @@ def test_the_architecture_table_has_a_row_for_every_registered_drafter():
     assert len(drafters) >= 9, "pyproject.toml's drafter entry points were not found"
     page = (ROOT / "docs" / "architecture.md").read_text()
     assert not [name for name in drafters if f"| `{name}` |" not in page]
+
+
+# Comments and docs say what and why; when, and in answer to what, is git log's. Refused: issue
+# numbers, and the phrases that date a text to the work that wrote it.
+NARRATION = re.compile(r"\bissues? #?\d+|\bthe issue'?s\b|\bthis session\b|\bother engineers\b", re.I)
+
+
+def _texts() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
+    for folder in ("specdec", "drafters", "verifiers", "experiments", "tests", "docs"):
+        files += [f for f in (ROOT / folder).rglob("*") if f.suffix in (".py", ".md", ".yaml", ".toml")]
+    return [f for f in files if f.relative_to(ROOT).as_posix() not in HISTORY]
+
+
+def test_no_text_narrates_its_history():
+    hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:120]}" for f in _texts()
+            for i, line in enumerate(f.read_text().splitlines(), 1) if NARRATION.search(line)]
+    assert not hits, "say what and why, not when or for which issue:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("line, refused", [
+    ("# the house rules of issue " + "31", True), ("(Issue #" + "12)", True), ("the issue" + "'s aim", True),
+    ("all the CPU allowed in this " + "session", True), ("@pytest.fixture(scope='session')", False),
+    ("vLLM PR #46781", False), ("an issue with ties", False),
+])
+def test_the_narration_finder(line, refused):
+    assert bool(NARRATION.search(line)) == refused

@@ -226,7 +226,7 @@ def test_drafters_use_only_the_target_seam(module):
     assert not hits, "\n".join(hits)
 
 
-# --- the house rules of issue 31 ---------------------------------------------------------------------
+# --- the house rules of experiments/ -----------------------------------------------------------------
 # what may stay a script in experiments/: the runner, the trainer, and thin commands, each with a docstring
 COMMANDS = {
     "run.py": "the one runner (Hydra): every decoding question is a preset of it",

@@ -68,7 +68,7 @@ def test_every_presets_committed_files_resolve_from_another_folder(elsewhere):
         for path in maps:
             assert repo_path(path).is_file(), (preset, path)
             seen.add(path)
-    assert "experiments/checkpoints/tiny-deepseek-v3-mtp" in seen  # the preset the issue named
+    assert "experiments/checkpoints/tiny-deepseek-v3-mtp" in seen  # native_mtp reads the tiny committed MTP checkpoint
     assert any(s.startswith("experiments/checkpoints/smollm2-135m-") for s in seen)
     assert not Path("experiments").exists()  # really elsewhere
 

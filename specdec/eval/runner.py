@@ -1,5 +1,5 @@
 """One experiment run: a dataset through speculative and autoregressive decoding (and, side by side,
-transformers' ``generate()`` peers) in one process, with every measurement the issue tracker asks for.
+transformers' ``generate()`` peers) in one process, with every measurement a results table reports.
 
     result = run_experiment(RunConfig(...), out_dir="runs/x")
     result.summary["spec"]["speedup"], result.summary["spec"]["predicted_speedup"]

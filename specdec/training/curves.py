@@ -207,7 +207,7 @@ def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float,
     return slope, 10 ** decades if decades < 300 else math.inf  # a near-flat rise: past any float
 
 
-AIM_MAL = 2.5  # the aim: mean accepted length at the best k
+AIM_MAL = 2.5  # the aimed mean accepted length at the best k (the report estimates the tokens to reach it)
 BEYOND = 1e15  # tokens past which an extrapolation names no data set that exists (the papers train on 1e7-1e8)
 
 
