@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from specdec.eval.roofline import run_roofline
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig, check_keys
+from specdec.models import unmade_checkpoints
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)
@@ -83,9 +84,25 @@ def to_run_config(cfg: DictConfig, choices: dict | None = None) -> RunConfig:
 register_configs()
 
 
+def checkpoints_read(run: RunConfig) -> list[str]:
+    """The drafter checkpoints a run reads (its drafter's and every method's), as named."""
+    drafters = [run.drafter, *(d for d, _, _ in run.speculative_methods().values())]
+    return sorted({str(d.options["checkpoint"]) for d in drafters if d.options.get("checkpoint")})
+
+
+def check_made(run: RunConfig) -> None:
+    """Stop before any work when the run reads a checkpoint recorded but not made here, naming the
+    command that makes each (a preset lists them as ``needs_remake``)."""
+    unmade = unmade_checkpoints(checkpoints_read(run))
+    if unmade:
+        raise SystemExit("this run reads checkpoints that are recorded but not committed; make them first, from"
+                         " the repository root:\n" + "\n".join(f"  {name}: {cmd}" for name, cmd in unmade.items()))
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_cfg = to_run_config(cfg, dict(HydraConfig.get().runtime.choices))
+    check_made(run_cfg)
     torch.set_num_threads(run_cfg.threads)  # the config's: one by default, stable timings on a small shared CPU
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
