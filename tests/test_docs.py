@@ -144,3 +144,70 @@ def test_no_text_narrates_its_history():
 ])
 def test_the_narration_finder(line, refused):
     assert bool(NARRATION.search(line)) == refused
+
+
+# Dotted names of the library (``specdec.few_rows.autotune``, ``specdec.drafters.mtp.checkpoint``) in
+# the same prose: the longest prefix that is a module must exist, and the name after it must be
+# defined at its top level (read statically: no import). Entry-point groups are names too.
+DOTTED = re.compile(r"(?<![\w.])specdec(?:\.\w+)+")
+PACKAGES = {"specdec": ROOT / "specdec", "specdec.drafters": ROOT / "drafters", "specdec.verifiers": ROOT / "verifiers"}
+
+
+def _modules() -> dict[str, Path]:
+    return {".".join((pkg, *f.relative_to(folder).with_suffix("").parts)).removesuffix(".__init__"): f
+            for pkg, folder in PACKAGES.items() for f in folder.rglob("*.py")}
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """What a module defines or imports at its top level (inside ``if`` blocks too), and the names
+    a package exports lazily (a ``_EXPORTS`` dict's keys)."""
+    names = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and isinstance(node.value, ast.Dict):
+                names.update(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body]
+    return names
+
+
+def missing_names(prose: dict[Path, list[tuple[int, str]]] | None = None) -> list[str]:
+    """``file:line: name`` for every dotted library name in ``prose`` that names nothing here."""
+    modules = _modules()
+    groups = set(re.findall(r'^\[project\.entry-points\."([\w.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M))
+    packaged = {"specdec.checkpoints"}  # experiments/checkpoints/, data only
+    defined: dict[str, set[str]] = {}
+    bad = []
+    for page, lines in (prose if prose is not None else _prose()).items():
+        for number, text in lines:
+            for name in DOTTED.findall(text):
+                parts = name.split(".")
+                if name in groups or ".".join(parts[:2]) in packaged:
+                    continue
+                i = max(i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules)
+                module, rest = ".".join(parts[:i]), parts[i:]
+                if rest and rest[0] not in defined.setdefault(module, _top_level_names(modules[module])):
+                    bad.append(f"{page.relative_to(ROOT)}:{number}: {name}")
+    return bad
+
+
+def test_every_library_name_the_docs_use_exists():
+    bad = missing_names()
+    assert not bad, "names of the library in prose that it does not define:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("`specdec.few_rows.autotune`", True), ("`specdec.few_rows.tune`", False), ("(specdec.drafters.mtp.modules)", True),
+    ("`specdec.load_target`", True), ("`specdec.verifiers.walk`", False), ("the specdec.transformers_peers group", True),
+    ("`specdec.checkpoints`", True),
+])
+def test_the_name_finder(text, ok):
+    assert (missing_names({ROOT / "docs" / "page.md": [(1, text)]}) == []) == ok
