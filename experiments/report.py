@@ -26,7 +26,7 @@ autoregressive-only jobs); a method keeps its colour in every figure of every re
 family's hue, a shade per k, a marker per variant: :func:`method_style`), and series that share x
 values sit side by side (a small offset), so a line never hides another; legends sit beside the axes.
 - ``report.md``: the figures, a table of every method of every run, and each run's own tables
-  (its ``summary.md``, written by :func:`specdec.eval.runner.summary_markdown`); with
+  (:func:`summary_markdown` of its ``summary.json``, what ``run.py`` writes as its ``summary.md``); with
   ``--per-request``, tokens/s of every method and mean accepted length per request too.
 
 Methods from several runs that share a name (a sweep over temperature or dataset) are told apart
@@ -42,7 +42,9 @@ import re
 import statistics
 import textwrap
 from collections import defaultdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -52,7 +54,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 from specdec.provenance import with_kept_notes  # noqa: E402
 
-__all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
+__all__ = ["FIGURES", "describe", "summary_markdown", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -325,6 +327,91 @@ def per_request_table(run: dict) -> list[str]:
     return lines
 
 
+def describe(config: Any) -> str:
+    """One line naming what a run measured, from its ``RunConfig`` or ``config.json``'s ``config``."""
+    c = asdict(config) if is_dataclass(config) else config
+    d, t, dr = c["dataset"], c["target"], c["drafter"]
+    opts = f" {dr['options']}" if dr.get("options") else ""
+    methods = f", methods {', '.join(f'`{m}`' for m in c['methods'])}" if c.get("methods") else ""
+    policy = f" ({c['policy']} policy)" if c.get("policy", "fixed") != "fixed" else ""
+    repeats = f" x {d['repeats']}" if d.get("repeats", 1) > 1 else ""
+    return (f"target `{t['model']}` ({t['dtype']}), drafter `{dr['name'] or 'none'}`{opts}{methods},"
+            f" verifier `{c['verifier']['name']}`, k = {c['num_speculative_tokens']}{policy}, concurrency = {c['concurrency']},"
+            f" dataset `{d['name']}` ({d['num_prompts']} prompts{repeats}), temperature {c['sampling']['temperature']},"
+            f" seed {c['seed']}")
+
+
+def summary_markdown(summary: dict[str, dict], config: Any = None) -> str:
+    """One run's summary (``summary.json``) as markdown tables: throughput, latency and speedups;
+    drafting (acceptance per position, drafts per step, draft cost); the loop's time split; outputs
+    that differ. ``config`` (its ``RunConfig`` or ``config.json``'s ``config``) heads it with :func:`describe`."""
+    lines = [describe(config), ""] if config is not None else []
+    hf = any("identical_to_hf_generate" in s for s in summary.values())
+    lines += ["| method | drafter | k | requests | new tokens | wall s | tok/s | TTFT ms | TPOT ms | latency mean s"
+              " | latency p90 s | speedup | decode speedup | predicted | mean acc. len | identical to baseline |"
+              + (" speedup vs hf_generate | identical to hf_generate |" if hf else ""),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if hf else "")]
+
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for name, s in summary.items():
+        ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
+        lines.append(
+            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {k_label(s)} | {s['requests']} | {s['new_tokens']}"
+            f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
+            f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
+            f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
+            f" | {f(s.get('predicted_speedup'), '.2f')} | {f(s.get('mean_accepted_length'), '.2f')} | {ident} |"
+            + (f" {s['speedup_vs_hf_generate']:.2f} | {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
+    grouped = {n: s for n, s in summary.items() if "by_group" in s and "baseline" in s}
+    if grouped:
+        groups = list(next(iter(grouped.values()))["by_group"])
+        lines += ["", "Per group (category; \"pass 2\": the same prompts asked again): mean accepted length,"
+                  " and latency speedup over the baseline (summed latencies):", "",
+                  "| group | " + " | ".join(f"{n} acc. len | {n} speedup" for n in grouped) + " |",
+                  "|---|" + "---:|---:|" * len(grouped)]
+        for g in groups:
+            cells = [(s["by_group"].get(g, {}).get("mean_accepted_length"), s["by_group"].get(g, {}).get("latency_speedup"))
+                     for s in grouped.values()]
+            lines.append(f"| {g} | " + " | ".join(f"{f(a, '.2f')} | {f(x, '.2f')}" for a, x in cells) + " |")
+    loop = {n: s for n, s in summary.items() if "prefill_s" in s}
+    drafting = {n: s for n, s in loop.items() if s.get("acceptance_at")}
+    if drafting:
+        lines += ["", "Drafting (acceptance at a position: given the row drafted that deep):", "",
+                  "| method | mean acc. len | acceptance per position | acceptance rate | drafted / step"
+                  " | draft ms / step | draft cost / token (x target step) |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for name, s in drafting.items():
+            lines.append(f"| {name} | {s['mean_accepted_length']:.2f} | "
+                         + " ".join(f"{a:.2f}" for a in s["acceptance_at"])
+                         + f" | {s['acceptance_rate']:.2f} | {s['drafted_per_step']:.1f}"
+                         f" | {s['draft_s_per_step'] * 1e3:.2f} | {f(s.get('draft_cost_vs_target_step'), '.3f')} |")
+    if loop:
+        lines += ["", "Time split of this library's loop (share of wall time):", "",
+                  "| method | prefill | draft | target | verify | loop overhead | draft ms/step | verify ms/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, s in loop.items():
+            w = s["wall_s"] or 1.0
+            lines.append(f"| {name} | {s['prefill_s'] / w:.1%} | {s['draft_s'] / w:.1%} | {s['target_s'] / w:.1%}"
+                         f" | {s['verify_s'] / w:.1%} | {s['other_s'] / w:.1%} | {s['draft_s_per_step'] * 1e3:.2f}"
+                         f" | {s['verify_s_per_step'] * 1e3:.2f} |")
+    differ = [(n, s["baseline"], d) for n, s in summary.items() for d in s.get("divergences", [])]
+    if differ:
+        lines += ["", "Outputs that differ from the baseline (first differing position; the target's top-2 logits"
+                  " there, after the baseline's tokens: a tiny gap is a numerical near-tie):", ""]
+        for name, base, d in differ:
+            head = f"- {name}, request {d['request']}, position {d['position']}"
+            if "top2_logits" not in d:
+                lines.append(f"{head}: one output is a prefix of the other ({base})")
+                continue
+            hi, lo = d["top2_logits"]
+            lines.append(f"{head}: got {d['got']}, {base} {d['want']}; top-2 {d['top2_ids']}"
+                         f" logits {hi:.5f} / {lo:.5f} (gap {hi - lo:.2e})")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(folder: Path, out: Path | None = None, title: str | None = None, per_request: bool = False) -> Path:
     runs = load_runs(folder)
     out = out or folder
@@ -353,8 +440,8 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
                 f" | {s['tpot_mean_s'] * 1e3:.1f} | {_fmt(s.get('speedup'), '.2f')}"
                 f" | {_fmt(s.get('decode_speedup'), '.2f')} | {_fmt(s.get('predicted_speedup'), '.2f')}"
                 f" | {_fmt(s.get('mean_accepted_length'), '.2f')} | {_fmt(s.get('overhead_frac'), '.1%')} |")
-    for r in runs:  # each run's own tables, as the runner wrote them
-        lines += ["", f"## Run `{r['dir'].name}`", "", (r["dir"] / "summary.md").read_text().rstrip()]
+    for r in runs:  # each run's own tables, rendered from its summary
+        lines += ["", f"## Run `{r['dir'].name}`", "", summary_markdown(r["summary"], r["config"]).rstrip()]
         if per_request:
             lines += ["", "Per request:", "", *per_request_table(r)]
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -23,6 +23,7 @@ Run it by path from the repository root, never with ``python -m`` (see the READM
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -35,6 +36,9 @@ from specdec.eval.roofline import run_roofline
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig, check_keys
 from specdec.models import unmade_checkpoints
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the report beside this runner
+from report import summary_markdown  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)
@@ -110,7 +114,8 @@ def main(cfg: DictConfig) -> None:
         run_roofline(run_cfg, out_dir=out)
         log.info("\n%s", (out / "roofline.md").read_text())
     else:
-        run_experiment(run_cfg, out_dir=out)
+        result = run_experiment(run_cfg, out_dir=out)
+        (out / "summary.md").write_text(summary_markdown(result.summary, run_cfg))
         log.info("\n%s", (out / "summary.md").read_text())
     log.info("outputs in %s", out)
 

@@ -405,7 +405,6 @@ LIBRARY_OFFENDERS = {
     ("specdec.data.store", "argparse"), ("specdec.data.store", "lab path"),  # the store's command line
     ("specdec.eval.roofline", "markdown"),  # the roofline tool and its page
     ("specdec.eval.roofline_plots", "figures"),
-    ("specdec.eval.runner", "markdown"),  # summary.md of every run
     ("specdec.training.config", "lab path"),  # the trainer's default work folder
     ("specdec.training.curves", "argparse"), ("specdec.training.curves", "subprocess"),  # the curves orchestrator
     ("specdec.training.curves", "lab path"), ("specdec.training.curves", "markdown"),
