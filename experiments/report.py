@@ -8,6 +8,10 @@ each question's current table for docs/results/ (``--table``).
 command, git SHA, machine (CPU model, threads, dtype) and date its ``config.json`` recorded, and
 every method of every job (:func:`question_table`); ``docs/results.md`` links those files.
 
+The runner's own renderings come from here too (the library writes records, not pages): each run's
+``summary.md`` (:func:`summary_markdown`) and a roofline run's ``roofline.md`` and figures
+(:func:`roofline_markdown`, :func:`roofline_figures`), from its ``roofline.json``.
+
 Reads every ``summary.json`` below the folder (with the ``config.json`` beside it) and writes to
 ``--out`` (default: the folder itself):
 
@@ -51,10 +55,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specdec.eval.config import RunConfig  # noqa: E402
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 from specdec.provenance import with_kept_notes  # noqa: E402
 
-__all__ = ["FIGURES", "describe", "summary_markdown", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
+__all__ = ["FIGURES", "describe", "summary_markdown", "roofline_markdown", "roofline_figures", "load_runs",
+           "write_figures", "write_report", "question_table", "method_style"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -446,6 +452,229 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
             lines += ["", "Per request:", "", *per_request_table(r)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
+
+
+# ------------------------------------------------------------------------------------------------
+# the roofline (mode: roofline): its tables and figures, from the run's roofline.json
+#
+# - ``roofline_time.png``: ms of one forward against m, one panel per (dtype, threads, batch): each
+#   impl's chain (solid) and tree (dashed), the roofline and the bandwidth limit alone;
+# - ``roofline_ratio.png``: t(m)/t(1) on the same panels, with the roofline's ratio;
+# - ``context.png``: against context length, step time, peak memory and speculative speedups (the
+#   panels that have data).
+
+def _cell(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _ms(seconds: float | None, fmt: str = ".1f") -> str:
+    return _cell(None if seconds is None else seconds * 1e3, fmt)
+
+
+def _plan_text(plan: list[tuple[int, str]]) -> str:
+    """``[(4, packed), ..., (31, packed)]`` as "packed at 4–31 rows; F.linear elsewhere"."""
+    runs: list[list] = []
+    for rows, how in sorted(plan):
+        if runs and runs[-1][0] == how and runs[-1][2] == rows - 1:
+            runs[-1][2] = rows
+        else:
+            runs.append([how, rows, rows])
+    parts = [f"{how} at {lo}" + (f"–{hi}" if hi > lo else "") + " rows" for how, lo, hi in runs]
+    return "; ".join(parts + ["F.linear elsewhere"]) if parts else "F.linear at every row count"
+
+
+def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
+    """A roofline run (``mode: roofline``: its ``roofline.json`` and ``RunConfig``) as markdown: the machine's limits, t(m)/t(1) per setting, the context sweep, speedups."""
+    rc, mc = cfg.roofline, result["machine"]
+    lines = [f"target `{cfg.target.model}`, context {rc.context}, best of {rc.reps};"
+             f" {mc['cpu'] or mc['device']} ({', '.join(mc.get('cpu_isa') or []) or 'no AVX2'}), {mc['cpu_count']} cores,"
+             f" last-level cache {mc['llc_mib']} MiB", "",
+             "| threads | STREAM copy GB/s | STREAM triad GB/s | array MiB |", "|---:|---:|---:|---:|"]
+    lines += [f"| {b['threads']} | {b['copy_gb_s']:.1f} | {b['triad_gb_s']:.1f} | {b['array_mib']} |"
+              for b in result["bandwidth"]]
+    lines += ["", "| threads | dtype | F.linear GFLOP/s (n) |", "|---:|---|---:|"]
+    lines += [f"| {p['threads']} | {p['dtype']} | {p['gflop_s']:.1f} ({p['n']}) |" for p in result["compute"]]
+    ms = sorted({r["m"] for r in result["forward"]})
+    lines += ["", "One forward over m new tokens: t(1) of the chain, the share of the bandwidth limit it reaches,"
+              " and t(m)/t(1) (`roofline` rows: the same ratio of the roofline times).", "",
+              "| impl | dtype | threads | batch | mask | t(1) ms | % of BW limit at m=1 | "
+              + " | ".join(f"m={m}" for m in ms) + " |", "|---|---|---:|---:|---|---:|---:|" + "---:|" * len(ms)]
+    summary = result["summary"]
+    for i, s in enumerate(summary):
+        setting = (s["dtype"], s["threads"], s["batch"], s["mask"])
+        rows = [(s["impl"], s["ratio"], _ms(s["t1_s"]), _cell(s["pct_of_bandwidth_limit_m1"], ".1f"))]
+        if i + 1 == len(summary) or setting != tuple(summary[i + 1][k] for k in ("dtype", "threads", "batch", "mask")):
+            rows.append(("roofline", s["roofline_ratio"], "-", "-"))  # after the setting's last impl
+        for name, ratio, t1, pct in rows:
+            lines.append(f"| {name} | {s['dtype']} | {s['threads']} | {s['batch']} | {s['mask']} | {t1} | {pct} | "
+                         + " | ".join(_cell(ratio.get(m), ".2f") for m in ms) + " |")
+    if result["skipped"]:
+        lines += ["", f"Skipped: {len(result['skipped'])} points ({result['skipped'][0]['why']})."]
+    for f in result.get("few_rows", []):
+        for p in f["plans"]:
+            lines += ["", f"Few-row products of the library's {f['dtype']} linear layers, {p['threads']} thread(s)"
+                      f" (specdec.few_rows; packed copies hold {f['packed_mib']:.0f} MiB): {_plan_text(p['plan'])}."]
+    if result["context"]:
+        kind = result["context"][0]["memory"] or "not measured"
+        lines += ["", f"Against context (batch 1, {rc.threads[0]} thread(s), {cfg.target.dtype}); peak memory above"
+                  f" the memory in use before the prefill, {kind}; the decode peak holds the KV cache."
+                  " Tensor MiB: the tensors' own peak (allocations counted by the profiler, the same on every"
+                  " run); held: what the prefill leaves allocated.", "",
+                  "| context | impl | m | step ms | BW limit ms | % of BW limit | prefill s | prefill peak MiB"
+                  " | decode peak MiB | prefill tensor MiB | held tensor MiB | decode tensor MiB | KV MiB |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["context"]:
+            lines.append(f"| {r['context']} | {r['impl']} | {r['m']} | {r['time_s'] * 1e3:.1f}"
+                         f" | {_ms(r.get('bandwidth_limit_s'))} | {_cell(r.get('pct_of_bandwidth_limit'), '.1f')}"
+                         f" | {r['prefill_s']:.2f} | {_cell(r['prefill_peak_mib'], '.0f')}"
+                         f" | {_cell(r['decode_peak_mib'], '.0f')} | {_cell(r.get('prefill_tensor_mib'), '.0f')}"
+                         f" | {_cell(r.get('held_tensor_mib'), '.0f')} | {_cell(r.get('decode_tensor_mib'), '.0f')}"
+                         f" | {r['kv_mib']:.0f} |")
+    if result["speedup"]:
+        lines += ["", f"Speculative decoding against context (dataset `{cfg.dataset.name}`, {cfg.dataset.output_len}"
+                  " new tokens; speedups over `ar` of the same context):", "",
+                  "| context | method | k | prompt tokens | mean acc. len | speedup | decode speedup | decode ms/token"
+                  " | verify ms/step | draft ms/step | identical to ar |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["speedup"]:
+            same = "-" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}"
+            lines.append(f"| {r['context']} | {r['method']} | {r['k'] or '-'} | {r['prompt_tokens']:.0f}"
+                         f" | {_cell(r['mean_accepted_length'], '.2f')} | {_cell(r['speedup'], '.2f')}"
+                         f" | {_cell(r['decode_speedup'], '.2f')} | {_ms(r['decode_s_per_token'])}"
+                         f" | {_ms(r['verify_s_per_step'])} | {_ms(r['draft_s_per_step'], '.2f')} | {same} |")
+    lines += ["", "Figures: `roofline_time.png`, `roofline_ratio.png`, `context.png`."]
+    return "\n".join(lines) + "\n"
+
+
+ROOFLINE_COLORS = {"library": "tab:blue", "library_general": "tab:green", "library_unpacked": "tab:purple",
+          "library_gqa": "tab:brown", "transformers": "tab:orange"}
+ROOFLINE_STYLES = {"chain": "-", "tree": "--"}
+
+
+def _panels(keys: list, ncols: int, title: str):
+    """A figure with one axis per key (ncols a row), the unused grid cells removed."""
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(keys):]:
+        fig.delaxes(ax)
+    fig.suptitle(title)
+    return fig, dict(zip(keys, flat))
+
+
+def _save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _forward_figure(result: dict[str, Any], path: Path, ratio: bool) -> None:
+    rows = result["forward"]
+    if not rows:
+        return
+    cols = list(dict.fromkeys((r["dtype"], r["threads"]) for r in rows))  # the run's order
+    keys = [(d, t, b) for b in dict.fromkeys(r["batch"] for r in rows) for d, t in cols
+            if any((r["dtype"], r["threads"], r["batch"]) == (d, t, b) for r in rows)]
+    what = "t(m) / t(1)" if ratio else "ms per forward"
+    fig, axes = _panels(keys, len(cols), f"One target forward over m new tokens: {what}")
+    for (dtype, threads, batch), ax in axes.items():
+        panel = [r for r in rows if (r["dtype"], r["threads"], r["batch"]) == (dtype, threads, batch)]
+        for impl in sorted({r["impl"] for r in panel}):
+            for mask in ("chain", "tree"):
+                pts = sorted((r["m"], r["ratio"] if ratio else r["time_s"] * 1e3) for r in panel
+                             if r["impl"] == impl and r["mask"] == mask)
+                if pts:
+                    ax.plot(*zip(*pts), ROOFLINE_STYLES[mask], marker="o", ms=3, color=ROOFLINE_COLORS.get(impl),
+                            label=f"{impl} {mask}")
+        ref = {r["m"]: r for r in panel if r["mask"] == "chain"}  # the cost model is the same for every impl
+        ms = sorted(ref)
+        if ratio:
+            ax.plot(ms, [ref[m]["roofline_ratio"] for m in ms], ":", color="black", label="roofline")
+            ax.axhline(1.0, color="grey", lw=0.6)
+            ax.set_ylabel("t(m) / t(1)")
+        else:
+            ax.plot(ms, [ref[m]["roofline_s"] * 1e3 for m in ms], ":", color="black", label="roofline")
+            ax.plot(ms, [ref[m]["bandwidth_limit_s"] * 1e3 for m in ms], ":", color="grey", label="bandwidth limit")
+            ax.set_yscale("log")
+            ax.set_ylabel("ms per forward")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["m"] for r in panel}), [str(m) for m in sorted({r["m"] for r in panel})])
+        ax.set_xlabel("m (new tokens per forward)")
+        ax.set_title(f"{dtype}, {threads} thread(s), batch {batch}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save_figure(fig, path)
+
+
+def _context_figure(result: dict[str, Any], path: Path) -> None:
+    ctx, spd = result["context"], [r for r in result["speedup"] if r["method"] != "ar" and r["speedup"] is not None]
+    keys = (["time"] if ctx else []) + (["memory"] if any(r["decode_peak_mib"] is not None for r in ctx) else []) \
+        + (["speedup"] if spd else [])
+    if not keys:
+        return
+    fig, axes = _panels(keys, len(keys), "Against context length (batch 1)")
+    if "time" in axes:
+        ax = axes["time"]
+        for impl in sorted({r["impl"] for r in ctx}):
+            for m in sorted({r["m"] for r in ctx}):
+                pts = sorted((r["context"], r["time_s"] * 1e3) for r in ctx if (r["impl"], r["m"]) == (impl, m))
+                ax.plot(*zip(*pts), marker="o", ms=3, color=ROOFLINE_COLORS.get(impl), ls="-" if m == 1 else "--",
+                        label=f"{impl} m={m}")
+        for m in sorted({r["m"] for r in ctx if "roofline_s" in r}):
+            pts = sorted({(r["context"], r["roofline_s"] * 1e3) for r in ctx if r["m"] == m and "roofline_s" in r})
+            ax.plot(*zip(*pts), ":" if m == 1 else "-.", marker="x", ms=3, color="black", label=f"roofline m={m}")
+        ax.set_ylabel("ms per forward")
+        ax.set_title("step time", fontsize=9)
+    if "memory" in axes:
+        ax = axes["memory"]
+        first = {(r["impl"], r["context"]): r for r in ctx}  # memory is per (impl, context)
+        for impl in sorted({i for i, _ in first}):
+            pts = sorted((c, r) for (i, c), r in first.items() if i == impl)
+            ax.plot([c for c, _ in pts], [r["prefill_peak_mib"] for _, r in pts], "--", marker="s", ms=3,
+                    color=ROOFLINE_COLORS.get(impl), label=f"{impl} prefill peak")
+            ax.plot([c for c, _ in pts], [r["decode_peak_mib"] for _, r in pts], "-", marker="o", ms=3,
+                    color=ROOFLINE_COLORS.get(impl), label=f"{impl} decode peak")
+            m1 = min(r["m"] for r in ctx)
+            tensors = sorted((r["context"], r["decode_tensor_mib"]) for r in ctx
+                             if r["impl"] == impl and r["m"] == m1 and r.get("decode_tensor_mib") is not None)
+            if tensors:  # the tensors' own count (CPU): what the resident set cannot settle
+                ax.plot(*zip(*tensors), ":", marker="^", ms=3, color=ROOFLINE_COLORS.get(impl),
+                        label=f"{impl} decode tensors (m={m1})")
+        kv = sorted({(c, r["kv_mib"]) for (_, c), r in first.items()})
+        ax.plot(*zip(*kv), ":", marker="x", ms=3, color="black", label="KV cache (model)")
+        ax.set_ylabel("peak MiB above the memory before prefill")
+        ax.set_title(f"peak memory ({ctx[0]['memory']})", fontsize=9)
+    if "speedup" in axes:
+        ax = axes["speedup"]
+        for method in dict.fromkeys(r["method"] for r in spd):
+            pts = sorted((r["context"], r["decode_speedup"] or r["speedup"], r["mean_accepted_length"])
+                         for r in spd if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=method)
+            for c, s, tau in pts:
+                if tau is not None:
+                    ax.annotate(f"τ={tau:.2f}", (c, s), fontsize=6, textcoords="offset points", xytext=(2, 3))
+        ax.axhline(1.0, color="grey", lw=0.6)
+        ax.set_ylabel("decode speedup over autoregressive")
+        ax.set_title("speculative decoding (τ: mean accepted length)", fontsize=9)
+    for key, ax in axes.items():
+        xs = sorted({r["context"] for r in (spd if key == "speedup" else ctx)})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("context (prompt tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save_figure(fig, path)
+
+
+def roofline_figures(result: dict[str, Any], out: Path) -> list[Path]:
+    """Write the figures that have data to ``out``; returns their paths."""
+    paths = [(out / "roofline_time.png", lambda p: _forward_figure(result, p, ratio=False)),
+             (out / "roofline_ratio.png", lambda p: _forward_figure(result, p, ratio=True)),
+             (out / "context.png", lambda p: _context_figure(result, p))]
+    for path, draw in paths:
+        draw(path)
+    return [p for p, _ in paths if p.exists()]
 
 
 CONF = Path(__file__).resolve().parent / "conf"

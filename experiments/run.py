@@ -14,8 +14,8 @@ onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), whic
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
 ``config.yaml`` (resolved), ``config.json`` (the same plus git SHA and versions), ``requests.jsonl``,
 ``summary.json`` and ``summary.md``. Plots and a report of a sweep: ``experiments/report.py``.
-``mode: roofline`` runs :func:`specdec.eval.roofline.run_roofline` instead, which writes ``roofline.json``,
-``roofline.md`` and its figures beside ``config.json``.
+``mode: roofline`` runs :func:`specdec.eval.roofline.run_roofline` instead, which writes ``roofline.json``
+beside ``config.json``; this runner renders ``roofline.md`` and its figures from it (``experiments/report.py``).
 
 Run it by path from the repository root, never with ``python -m`` (see the README).
 """
@@ -38,7 +38,7 @@ from specdec.eval.config import RunConfig, check_keys
 from specdec.models import unmade_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the report beside this runner
-from report import summary_markdown  # noqa: E402
+from report import roofline_figures, roofline_markdown, summary_markdown  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)
@@ -111,7 +111,9 @@ def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if run_cfg.mode == "roofline":
-        run_roofline(run_cfg, out_dir=out)
+        result = run_roofline(run_cfg, out_dir=out)
+        (out / "roofline.md").write_text(roofline_markdown(result, run_cfg))
+        roofline_figures(result, out)
         log.info("\n%s", (out / "roofline.md").read_text())
     else:
         result = run_experiment(run_cfg, out_dir=out)

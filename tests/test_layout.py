@@ -403,8 +403,6 @@ LIBRARY_EXCEPTIONS = {
 # Lab work still inside the library, to move to experiments/ (each fixed entry leaves this list):
 LIBRARY_OFFENDERS = {
     ("specdec.data.store", "argparse"), ("specdec.data.store", "lab path"),  # the store's command line
-    ("specdec.eval.roofline", "markdown"),  # the roofline tool and its page
-    ("specdec.eval.roofline_plots", "figures"),
     ("specdec.training.config", "lab path"),  # the trainer's default work folder
     ("specdec.training.curves", "argparse"), ("specdec.training.curves", "subprocess"),  # the curves orchestrator
     ("specdec.training.curves", "lab path"), ("specdec.training.curves", "markdown"),
