@@ -231,7 +231,7 @@ def test_drafters_use_only_the_target_seam(module):
 COMMANDS = {
     "run.py": "the one runner (Hydra): every decoding question is a preset of it",
     "train.py": "the one trainer (Hydra)",
-    "report.py": "renders each question's current tables from its runs",
+    "report.py": "the one renderer: every table and figure of a run, a sweep or a question, from its records",
     "bench.py": "runs one module of experiments/benchmarks/",
     "generate_corpus.py": "grows the training corpus (the data layer's command)",
 }
