@@ -96,12 +96,14 @@ bench-suffix: bench-suffix-repeat
 $(addprefix bench-,$(ROOFLINES)): bench-%: setup
 	$(PY) experiments/run.py --config-name $(subst -,_,$*)
 
-# The sweep behind docs/results.md, then its figures and report (in multirun/ngram_sweep/)
+# The ngram sweep on MT-bench (the question ngram_sweep, docs/results.md), then its figures and report
+# (in multirun/ngram_sweep/)
 sweep-ngram: setup
 	$(PY) experiments/run.py --config-name ngram_sweep -m
 	$(PY) experiments/report.py multirun/ngram_sweep
 
-# Every drafter with a SmolLM2 checkpoint on the same prompts (docs/results.md, "All drafters on the same prompts")
+# Every drafter with a SmolLM2 checkpoint on the same prompts (the question drafters_mtbench, rendered as
+# docs/results/drafters_mtbench.md)
 sweep-drafters: setup
 	$(PY) experiments/run.py --config-name drafters_mtbench -m progress=false
 	$(PY) experiments/report.py multirun/drafters_mtbench

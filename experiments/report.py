@@ -8,6 +8,10 @@ each question's current table for docs/results/ (``--table``).
 command, git SHA, machine (CPU model, threads, dtype) and date its ``config.json`` recorded, and
 every method of every job (:func:`question_table`); ``docs/results.md`` links those files.
 
+The runner's own renderings come from here too (the library writes records, not pages): each run's
+``summary.md`` (:func:`summary_markdown`) and a roofline run's ``roofline.md`` and figures
+(:func:`roofline_markdown`, :func:`roofline_figures`), from its ``roofline.json``.
+
 Reads every ``summary.json`` below the folder (with the ``config.json`` beside it) and writes to
 ``--out`` (default: the folder itself):
 
@@ -26,7 +30,7 @@ autoregressive-only jobs); a method keeps its colour in every figure of every re
 family's hue, a shade per k, a marker per variant: :func:`method_style`), and series that share x
 values sit side by side (a small offset), so a line never hides another; legends sit beside the axes.
 - ``report.md``: the figures, a table of every method of every run, and each run's own tables
-  (its ``summary.md``, written by :func:`specdec.eval.runner.summary_markdown`); with
+  (:func:`summary_markdown` of its ``summary.json``, what ``run.py`` writes as its ``summary.md``); with
   ``--per-request``, tokens/s of every method and mean accepted length per request too.
 
 Methods from several runs that share a name (a sweep over temperature or dataset) are told apart
@@ -42,17 +46,21 @@ import re
 import statistics
 import textwrap
 from collections import defaultdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from specdec.eval.config import RunConfig  # noqa: E402
 from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 from specdec.provenance import with_kept_notes  # noqa: E402
 
-__all__ = ["FIGURES", "load_runs", "write_figures", "write_report", "question_table", "method_style"]
+__all__ = ["FIGURES", "describe", "summary_markdown", "roofline_markdown", "roofline_figures", "load_runs",
+           "write_figures", "write_report", "question_table", "method_style"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -325,6 +333,91 @@ def per_request_table(run: dict) -> list[str]:
     return lines
 
 
+def describe(config: Any) -> str:
+    """One line naming what a run measured, from its ``RunConfig`` or ``config.json``'s ``config``."""
+    c = asdict(config) if is_dataclass(config) else config
+    d, t, dr = c["dataset"], c["target"], c["drafter"]
+    opts = f" {dr['options']}" if dr.get("options") else ""
+    methods = f", methods {', '.join(f'`{m}`' for m in c['methods'])}" if c.get("methods") else ""
+    policy = f" ({c['policy']} policy)" if c.get("policy", "fixed") != "fixed" else ""
+    repeats = f" x {d['repeats']}" if d.get("repeats", 1) > 1 else ""
+    return (f"target `{t['model']}` ({t['dtype']}), drafter `{dr['name'] or 'none'}`{opts}{methods},"
+            f" verifier `{c['verifier']['name']}`, k = {c['num_speculative_tokens']}{policy}, concurrency = {c['concurrency']},"
+            f" dataset `{d['name']}` ({d['num_prompts']} prompts{repeats}), temperature {c['sampling']['temperature']},"
+            f" seed {c['seed']}")
+
+
+def summary_markdown(summary: dict[str, dict], config: Any = None) -> str:
+    """One run's summary (``summary.json``) as markdown tables: throughput, latency and speedups;
+    drafting (acceptance per position, drafts per step, draft cost); the loop's time split; outputs
+    that differ. ``config`` (its ``RunConfig`` or ``config.json``'s ``config``) heads it with :func:`describe`."""
+    lines = [describe(config), ""] if config is not None else []
+    hf = any("identical_to_hf_generate" in s for s in summary.values())
+    lines += ["| method | drafter | k | requests | new tokens | wall s | tok/s | TTFT ms | TPOT ms | latency mean s"
+              " | latency p90 s | speedup | decode speedup | predicted | mean acc. len | identical to baseline |"
+              + (" speedup vs hf_generate | identical to hf_generate |" if hf else ""),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+              + ("---:|---:|" if hf else "")]
+
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    for name, s in summary.items():
+        ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
+        lines.append(
+            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {k_label(s)} | {s['requests']} | {s['new_tokens']}"
+            f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
+            f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
+            f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
+            f" | {f(s.get('predicted_speedup'), '.2f')} | {f(s.get('mean_accepted_length'), '.2f')} | {ident} |"
+            + (f" {s['speedup_vs_hf_generate']:.2f} | {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
+    grouped = {n: s for n, s in summary.items() if "by_group" in s and "baseline" in s}
+    if grouped:
+        groups = list(next(iter(grouped.values()))["by_group"])
+        lines += ["", "Per group (category; \"pass 2\": the same prompts asked again): mean accepted length,"
+                  " and latency speedup over the baseline (summed latencies):", "",
+                  "| group | " + " | ".join(f"{n} acc. len | {n} speedup" for n in grouped) + " |",
+                  "|---|" + "---:|---:|" * len(grouped)]
+        for g in groups:
+            cells = [(s["by_group"].get(g, {}).get("mean_accepted_length"), s["by_group"].get(g, {}).get("latency_speedup"))
+                     for s in grouped.values()]
+            lines.append(f"| {g} | " + " | ".join(f"{f(a, '.2f')} | {f(x, '.2f')}" for a, x in cells) + " |")
+    loop = {n: s for n, s in summary.items() if "prefill_s" in s}
+    drafting = {n: s for n, s in loop.items() if s.get("acceptance_at")}
+    if drafting:
+        lines += ["", "Drafting (acceptance at a position: given the row drafted that deep):", "",
+                  "| method | mean acc. len | acceptance per position | acceptance rate | drafted / step"
+                  " | draft ms / step | draft cost / token (x target step) |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for name, s in drafting.items():
+            lines.append(f"| {name} | {s['mean_accepted_length']:.2f} | "
+                         + " ".join(f"{a:.2f}" for a in s["acceptance_at"])
+                         + f" | {s['acceptance_rate']:.2f} | {s['drafted_per_step']:.1f}"
+                         f" | {s['draft_s_per_step'] * 1e3:.2f} | {f(s.get('draft_cost_vs_target_step'), '.3f')} |")
+    if loop:
+        lines += ["", "Time split of this library's loop (share of wall time):", "",
+                  "| method | prefill | draft | target | verify | loop overhead | draft ms/step | verify ms/step |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for name, s in loop.items():
+            w = s["wall_s"] or 1.0
+            lines.append(f"| {name} | {s['prefill_s'] / w:.1%} | {s['draft_s'] / w:.1%} | {s['target_s'] / w:.1%}"
+                         f" | {s['verify_s'] / w:.1%} | {s['other_s'] / w:.1%} | {s['draft_s_per_step'] * 1e3:.2f}"
+                         f" | {s['verify_s_per_step'] * 1e3:.2f} |")
+    differ = [(n, s["baseline"], d) for n, s in summary.items() for d in s.get("divergences", [])]
+    if differ:
+        lines += ["", "Outputs that differ from the baseline (first differing position; the target's top-2 logits"
+                  " there, after the baseline's tokens: a tiny gap is a numerical near-tie):", ""]
+        for name, base, d in differ:
+            head = f"- {name}, request {d['request']}, position {d['position']}"
+            if "top2_logits" not in d:
+                lines.append(f"{head}: one output is a prefix of the other ({base})")
+                continue
+            hi, lo = d["top2_logits"]
+            lines.append(f"{head}: got {d['got']}, {base} {d['want']}; top-2 {d['top2_ids']}"
+                         f" logits {hi:.5f} / {lo:.5f} (gap {hi - lo:.2e})")
+    return "\n".join(lines) + "\n"
+
+
 def write_report(folder: Path, out: Path | None = None, title: str | None = None, per_request: bool = False) -> Path:
     runs = load_runs(folder)
     out = out or folder
@@ -353,12 +446,235 @@ def write_report(folder: Path, out: Path | None = None, title: str | None = None
                 f" | {s['tpot_mean_s'] * 1e3:.1f} | {_fmt(s.get('speedup'), '.2f')}"
                 f" | {_fmt(s.get('decode_speedup'), '.2f')} | {_fmt(s.get('predicted_speedup'), '.2f')}"
                 f" | {_fmt(s.get('mean_accepted_length'), '.2f')} | {_fmt(s.get('overhead_frac'), '.1%')} |")
-    for r in runs:  # each run's own tables, as the runner wrote them
-        lines += ["", f"## Run `{r['dir'].name}`", "", (r["dir"] / "summary.md").read_text().rstrip()]
+    for r in runs:  # each run's own tables, rendered from its summary
+        lines += ["", f"## Run `{r['dir'].name}`", "", summary_markdown(r["summary"], r["config"]).rstrip()]
         if per_request:
             lines += ["", "Per request:", "", *per_request_table(r)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"
+
+
+# ------------------------------------------------------------------------------------------------
+# the roofline (mode: roofline): its tables and figures, from the run's roofline.json
+#
+# - ``roofline_time.png``: ms of one forward against m, one panel per (dtype, threads, batch): each
+#   impl's chain (solid) and tree (dashed), the roofline and the bandwidth limit alone;
+# - ``roofline_ratio.png``: t(m)/t(1) on the same panels, with the roofline's ratio;
+# - ``context.png``: against context length, step time, peak memory and speculative speedups (the
+#   panels that have data).
+
+def _cell(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _ms(seconds: float | None, fmt: str = ".1f") -> str:
+    return _cell(None if seconds is None else seconds * 1e3, fmt)
+
+
+def _plan_text(plan: list[tuple[int, str]]) -> str:
+    """``[(4, packed), ..., (31, packed)]`` as "packed at 4–31 rows; F.linear elsewhere"."""
+    runs: list[list] = []
+    for rows, how in sorted(plan):
+        if runs and runs[-1][0] == how and runs[-1][2] == rows - 1:
+            runs[-1][2] = rows
+        else:
+            runs.append([how, rows, rows])
+    parts = [f"{how} at {lo}" + (f"–{hi}" if hi > lo else "") + " rows" for how, lo, hi in runs]
+    return "; ".join(parts + ["F.linear elsewhere"]) if parts else "F.linear at every row count"
+
+
+def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
+    """A roofline run (``mode: roofline``: its ``roofline.json`` and ``RunConfig``) as markdown: the machine's limits, t(m)/t(1) per setting, the context sweep, speedups."""
+    rc, mc = cfg.roofline, result["machine"]
+    lines = [f"target `{cfg.target.model}`, context {rc.context}, best of {rc.reps};"
+             f" {mc['cpu'] or mc['device']} ({', '.join(mc.get('cpu_isa') or []) or 'no AVX2'}), {mc['cpu_count']} cores,"
+             f" last-level cache {mc['llc_mib']} MiB", "",
+             "| threads | STREAM copy GB/s | STREAM triad GB/s | array MiB |", "|---:|---:|---:|---:|"]
+    lines += [f"| {b['threads']} | {b['copy_gb_s']:.1f} | {b['triad_gb_s']:.1f} | {b['array_mib']} |"
+              for b in result["bandwidth"]]
+    lines += ["", "| threads | dtype | F.linear GFLOP/s (n) |", "|---:|---|---:|"]
+    lines += [f"| {p['threads']} | {p['dtype']} | {p['gflop_s']:.1f} ({p['n']}) |" for p in result["compute"]]
+    ms = sorted({r["m"] for r in result["forward"]})
+    lines += ["", "One forward over m new tokens: t(1) of the chain, the share of the bandwidth limit it reaches,"
+              " and t(m)/t(1) (`roofline` rows: the same ratio of the roofline times).", "",
+              "| impl | dtype | threads | batch | mask | t(1) ms | % of BW limit at m=1 | "
+              + " | ".join(f"m={m}" for m in ms) + " |", "|---|---|---:|---:|---|---:|---:|" + "---:|" * len(ms)]
+    summary = result["summary"]
+    for i, s in enumerate(summary):
+        setting = (s["dtype"], s["threads"], s["batch"], s["mask"])
+        rows = [(s["impl"], s["ratio"], _ms(s["t1_s"]), _cell(s["pct_of_bandwidth_limit_m1"], ".1f"))]
+        if i + 1 == len(summary) or setting != tuple(summary[i + 1][k] for k in ("dtype", "threads", "batch", "mask")):
+            rows.append(("roofline", s["roofline_ratio"], "-", "-"))  # after the setting's last impl
+        for name, ratio, t1, pct in rows:
+            lines.append(f"| {name} | {s['dtype']} | {s['threads']} | {s['batch']} | {s['mask']} | {t1} | {pct} | "
+                         + " | ".join(_cell(ratio.get(m), ".2f") for m in ms) + " |")
+    if result["skipped"]:
+        lines += ["", f"Skipped: {len(result['skipped'])} points ({result['skipped'][0]['why']})."]
+    for f in result.get("few_rows", []):
+        for p in f["plans"]:
+            lines += ["", f"Few-row products of the library's {f['dtype']} linear layers, {p['threads']} thread(s)"
+                      f" (specdec.few_rows; packed copies hold {f['packed_mib']:.0f} MiB): {_plan_text(p['plan'])}."]
+    if result["context"]:
+        kind = result["context"][0]["memory"] or "not measured"
+        lines += ["", f"Against context (batch 1, {rc.threads[0]} thread(s), {cfg.target.dtype}); peak memory above"
+                  f" the memory in use before the prefill, {kind}; the decode peak holds the KV cache."
+                  " Tensor MiB: the tensors' own peak (allocations counted by the profiler, the same on every"
+                  " run); held: what the prefill leaves allocated.", "",
+                  "| context | impl | m | step ms | BW limit ms | % of BW limit | prefill s | prefill peak MiB"
+                  " | decode peak MiB | prefill tensor MiB | held tensor MiB | decode tensor MiB | KV MiB |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["context"]:
+            lines.append(f"| {r['context']} | {r['impl']} | {r['m']} | {r['time_s'] * 1e3:.1f}"
+                         f" | {_ms(r.get('bandwidth_limit_s'))} | {_cell(r.get('pct_of_bandwidth_limit'), '.1f')}"
+                         f" | {r['prefill_s']:.2f} | {_cell(r['prefill_peak_mib'], '.0f')}"
+                         f" | {_cell(r['decode_peak_mib'], '.0f')} | {_cell(r.get('prefill_tensor_mib'), '.0f')}"
+                         f" | {_cell(r.get('held_tensor_mib'), '.0f')} | {_cell(r.get('decode_tensor_mib'), '.0f')}"
+                         f" | {r['kv_mib']:.0f} |")
+    if result["speedup"]:
+        lines += ["", f"Speculative decoding against context (dataset `{cfg.dataset.name}`, {cfg.dataset.output_len}"
+                  " new tokens; speedups over `ar` of the same context):", "",
+                  "| context | method | k | prompt tokens | mean acc. len | speedup | decode speedup | decode ms/token"
+                  " | verify ms/step | draft ms/step | identical to ar |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in result["speedup"]:
+            same = "-" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}"
+            lines.append(f"| {r['context']} | {r['method']} | {r['k'] or '-'} | {r['prompt_tokens']:.0f}"
+                         f" | {_cell(r['mean_accepted_length'], '.2f')} | {_cell(r['speedup'], '.2f')}"
+                         f" | {_cell(r['decode_speedup'], '.2f')} | {_ms(r['decode_s_per_token'])}"
+                         f" | {_ms(r['verify_s_per_step'])} | {_ms(r['draft_s_per_step'], '.2f')} | {same} |")
+    lines += ["", "Figures: `roofline_time.png`, `roofline_ratio.png`, `context.png`."]
+    return "\n".join(lines) + "\n"
+
+
+ROOFLINE_COLORS = {"library": "tab:blue", "library_general": "tab:green", "library_unpacked": "tab:purple",
+          "library_gqa": "tab:brown", "transformers": "tab:orange"}
+ROOFLINE_STYLES = {"chain": "-", "tree": "--"}
+
+
+def _panels(keys: list, ncols: int, title: str):
+    """A figure with one axis per key (ncols a row), the unused grid cells removed."""
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = -(-len(keys) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    for ax in flat[len(keys):]:
+        fig.delaxes(ax)
+    fig.suptitle(title)
+    return fig, dict(zip(keys, flat))
+
+
+def _save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _forward_figure(result: dict[str, Any], path: Path, ratio: bool) -> None:
+    rows = result["forward"]
+    if not rows:
+        return
+    cols = list(dict.fromkeys((r["dtype"], r["threads"]) for r in rows))  # the run's order
+    keys = [(d, t, b) for b in dict.fromkeys(r["batch"] for r in rows) for d, t in cols
+            if any((r["dtype"], r["threads"], r["batch"]) == (d, t, b) for r in rows)]
+    what = "t(m) / t(1)" if ratio else "ms per forward"
+    fig, axes = _panels(keys, len(cols), f"One target forward over m new tokens: {what}")
+    for (dtype, threads, batch), ax in axes.items():
+        panel = [r for r in rows if (r["dtype"], r["threads"], r["batch"]) == (dtype, threads, batch)]
+        for impl in sorted({r["impl"] for r in panel}):
+            for mask in ("chain", "tree"):
+                pts = sorted((r["m"], r["ratio"] if ratio else r["time_s"] * 1e3) for r in panel
+                             if r["impl"] == impl and r["mask"] == mask)
+                if pts:
+                    ax.plot(*zip(*pts), ROOFLINE_STYLES[mask], marker="o", ms=3, color=ROOFLINE_COLORS.get(impl),
+                            label=f"{impl} {mask}")
+        ref = {r["m"]: r for r in panel if r["mask"] == "chain"}  # the cost model is the same for every impl
+        ms = sorted(ref)
+        if ratio:
+            ax.plot(ms, [ref[m]["roofline_ratio"] for m in ms], ":", color="black", label="roofline")
+            ax.axhline(1.0, color="grey", lw=0.6)
+            ax.set_ylabel("t(m) / t(1)")
+        else:
+            ax.plot(ms, [ref[m]["roofline_s"] * 1e3 for m in ms], ":", color="black", label="roofline")
+            ax.plot(ms, [ref[m]["bandwidth_limit_s"] * 1e3 for m in ms], ":", color="grey", label="bandwidth limit")
+            ax.set_yscale("log")
+            ax.set_ylabel("ms per forward")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["m"] for r in panel}), [str(m) for m in sorted({r["m"] for r in panel})])
+        ax.set_xlabel("m (new tokens per forward)")
+        ax.set_title(f"{dtype}, {threads} thread(s), batch {batch}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save_figure(fig, path)
+
+
+def _context_figure(result: dict[str, Any], path: Path) -> None:
+    ctx, spd = result["context"], [r for r in result["speedup"] if r["method"] != "ar" and r["speedup"] is not None]
+    keys = (["time"] if ctx else []) + (["memory"] if any(r["decode_peak_mib"] is not None for r in ctx) else []) \
+        + (["speedup"] if spd else [])
+    if not keys:
+        return
+    fig, axes = _panels(keys, len(keys), "Against context length (batch 1)")
+    if "time" in axes:
+        ax = axes["time"]
+        for impl in sorted({r["impl"] for r in ctx}):
+            for m in sorted({r["m"] for r in ctx}):
+                pts = sorted((r["context"], r["time_s"] * 1e3) for r in ctx if (r["impl"], r["m"]) == (impl, m))
+                ax.plot(*zip(*pts), marker="o", ms=3, color=ROOFLINE_COLORS.get(impl), ls="-" if m == 1 else "--",
+                        label=f"{impl} m={m}")
+        for m in sorted({r["m"] for r in ctx if "roofline_s" in r}):
+            pts = sorted({(r["context"], r["roofline_s"] * 1e3) for r in ctx if r["m"] == m and "roofline_s" in r})
+            ax.plot(*zip(*pts), ":" if m == 1 else "-.", marker="x", ms=3, color="black", label=f"roofline m={m}")
+        ax.set_ylabel("ms per forward")
+        ax.set_title("step time", fontsize=9)
+    if "memory" in axes:
+        ax = axes["memory"]
+        first = {(r["impl"], r["context"]): r for r in ctx}  # memory is per (impl, context)
+        for impl in sorted({i for i, _ in first}):
+            pts = sorted((c, r) for (i, c), r in first.items() if i == impl)
+            ax.plot([c for c, _ in pts], [r["prefill_peak_mib"] for _, r in pts], "--", marker="s", ms=3,
+                    color=ROOFLINE_COLORS.get(impl), label=f"{impl} prefill peak")
+            ax.plot([c for c, _ in pts], [r["decode_peak_mib"] for _, r in pts], "-", marker="o", ms=3,
+                    color=ROOFLINE_COLORS.get(impl), label=f"{impl} decode peak")
+            m1 = min(r["m"] for r in ctx)
+            tensors = sorted((r["context"], r["decode_tensor_mib"]) for r in ctx
+                             if r["impl"] == impl and r["m"] == m1 and r.get("decode_tensor_mib") is not None)
+            if tensors:  # the tensors' own count (CPU): what the resident set cannot settle
+                ax.plot(*zip(*tensors), ":", marker="^", ms=3, color=ROOFLINE_COLORS.get(impl),
+                        label=f"{impl} decode tensors (m={m1})")
+        kv = sorted({(c, r["kv_mib"]) for (_, c), r in first.items()})
+        ax.plot(*zip(*kv), ":", marker="x", ms=3, color="black", label="KV cache (model)")
+        ax.set_ylabel("peak MiB above the memory before prefill")
+        ax.set_title(f"peak memory ({ctx[0]['memory']})", fontsize=9)
+    if "speedup" in axes:
+        ax = axes["speedup"]
+        for method in dict.fromkeys(r["method"] for r in spd):
+            pts = sorted((r["context"], r["decode_speedup"] or r["speedup"], r["mean_accepted_length"])
+                         for r in spd if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=method)
+            for c, s, tau in pts:
+                if tau is not None:
+                    ax.annotate(f"τ={tau:.2f}", (c, s), fontsize=6, textcoords="offset points", xytext=(2, 3))
+        ax.axhline(1.0, color="grey", lw=0.6)
+        ax.set_ylabel("decode speedup over autoregressive")
+        ax.set_title("speculative decoding (τ: mean accepted length)", fontsize=9)
+    for key, ax in axes.items():
+        xs = sorted({r["context"] for r in (spd if key == "speedup" else ctx)})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("context (prompt tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    _save_figure(fig, path)
+
+
+def roofline_figures(result: dict[str, Any], out: Path) -> list[Path]:
+    """Write the figures that have data to ``out``; returns their paths."""
+    paths = [(out / "roofline_time.png", lambda p: _forward_figure(result, p, ratio=False)),
+             (out / "roofline_ratio.png", lambda p: _forward_figure(result, p, ratio=True)),
+             (out / "context.png", lambda p: _context_figure(result, p))]
+    for path, draw in paths:
+        draw(path)
+    return [p for p, _ in paths if p.exists()]
 
 
 CONF = Path(__file__).resolve().parent / "conf"

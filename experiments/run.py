@@ -7,15 +7,15 @@
     .venv/bin/python experiments/run.py --config-name eagle3_trees -m       # a preset: conf/<preset>.yaml
     .venv/bin/python experiments/run.py --config-name roofline        # mode: roofline (docs/roofline.md)
 
-Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; the presets
-``conf/bench_*.yaml`` and ``conf/smollm2_*.yaml`` are saved runs and sweeps (docs/experiments.md). All compose
+Config groups (``conf/``): ``target``, ``drafter``, ``verifier``, ``dataset``, ``sampling``; every other
+``conf/<question>.yaml`` is a preset: one question, its runs and sweeps (docs/experiments.md). All compose
 onto ``specdec.eval.config.RunConfig`` (registered here as ``run_schema``), which is converted once with
 ``OmegaConf.to_object``: types are checked, unknown keys fail by name (even added with ``+``), and the library sees only its own
 dataclasses. Outputs go to the Hydra run folder (``outputs/…``, or ``multirun/…/<job>`` in a sweep):
 ``config.yaml`` (resolved), ``config.json`` (the same plus git SHA and versions), ``requests.jsonl``,
 ``summary.json`` and ``summary.md``. Plots and a report of a sweep: ``experiments/report.py``.
-``mode: roofline`` runs :func:`specdec.eval.roofline.run_roofline` instead, which writes ``roofline.json``,
-``roofline.md`` and its figures beside ``config.json``.
+``mode: roofline`` runs :func:`specdec.eval.roofline.run_roofline` instead, which writes ``roofline.json``
+beside ``config.json``; this runner renders ``roofline.md`` and its figures from it (``experiments/report.py``).
 
 Run it by path from the repository root, never with ``python -m`` (see the README).
 """
@@ -23,6 +23,7 @@ Run it by path from the repository root, never with ``python -m`` (see the READM
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import hydra
@@ -34,6 +35,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from specdec.eval.roofline import run_roofline
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig, check_keys
+from specdec.models import unmade_checkpoints
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the report beside this runner
+from report import roofline_figures, roofline_markdown, summary_markdown  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 log = logging.getLogger(__name__)
@@ -83,17 +88,36 @@ def to_run_config(cfg: DictConfig, choices: dict | None = None) -> RunConfig:
 register_configs()
 
 
+def checkpoints_read(run: RunConfig) -> list[str]:
+    """The drafter checkpoints a run reads (its drafter's and every method's), as named."""
+    drafters = [run.drafter, *(d for d, _, _ in run.speculative_methods().values())]
+    return sorted({str(d.options["checkpoint"]) for d in drafters if d.options.get("checkpoint")})
+
+
+def check_made(run: RunConfig) -> None:
+    """Stop before any work when the run reads a checkpoint recorded but not made here, naming the
+    command that makes each (a preset lists them as ``needs_remake``)."""
+    unmade = unmade_checkpoints(checkpoints_read(run))
+    if unmade:
+        raise SystemExit("this run reads checkpoints that are recorded but not committed; make them first, from"
+                         " the repository root:\n" + "\n".join(f"  {name}: {cmd}" for name, cmd in unmade.items()))
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     run_cfg = to_run_config(cfg, dict(HydraConfig.get().runtime.choices))
+    check_made(run_cfg)
     torch.set_num_threads(run_cfg.threads)  # the config's: one by default, stable timings on a small shared CPU
     out = Path(HydraConfig.get().runtime.output_dir)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if run_cfg.mode == "roofline":
-        run_roofline(run_cfg, out_dir=out)
+        result = run_roofline(run_cfg, out_dir=out)
+        (out / "roofline.md").write_text(roofline_markdown(result, run_cfg))
+        roofline_figures(result, out)
         log.info("\n%s", (out / "roofline.md").read_text())
     else:
-        run_experiment(run_cfg, out_dir=out)
+        result = run_experiment(run_cfg, out_dir=out)
+        (out / "summary.md").write_text(summary_markdown(result.summary, run_cfg))
         log.info("\n%s", (out / "summary.md").read_text())
     log.info("outputs in %s", out)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from specdec.drafter import Drafter
+from specdec.kernels.choice import record as kernel_choices
 from specdec.loop import Request, RunResult, run
 from specdec.metrics import GenerationSummary
 from specdec.policy import DraftPolicy, make_policy
@@ -169,5 +170,5 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
                                    drafter.name if drafter is not None else None, verifier.name, verifier.lossless,
                                    k if drafter is not None else 0,
                                    policy.name if policy is not None and drafter is not None else None,
-                                   few_rows=target.row_plan_record())
+                                   few_rows=target.row_plan_record(), kernels=kernel_choices())
     return GenerationResult(texts, tokens, result, summary)

@@ -23,7 +23,7 @@ over a given number of rows depends on the CPU (docs/roofline.md):
   measurement and dropped again if no row count takes them.
 
 Only the rounding differs. So the choice is measured, not assumed, but never inside a timed run:
-:func:`autotune` (called by :func:`specdec.load_target`, or ``python -m specdec.few_rows``) times one
+:func:`autotune` (called by :func:`specdec.load_target`, or ahead by ``specdec-autotune``) times one
 pass over the model's own float32 linear layers each way at :data:`ROW_COUNTS` and keeps, per row
 count, the fastest product that is at least :data:`MARGIN` faster than ``F.linear``; a row count
 between two measured ones takes the lower one's packed choice. The plan is cached on disk, the way
@@ -46,7 +46,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 import weakref
 from collections.abc import Iterator, Mapping
@@ -60,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.provenance import cpu_model
 from specdec.timing import Stopwatch
 
 __all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
@@ -308,17 +308,6 @@ def choose(times: Mapping[int, Mapping[str, float]]) -> Plan:
     return MappingProxyType(plan)
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else what ``platform`` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def cache_folder() -> Path:
     """Where tuned plans are kept: ``$SPECDEC_CACHE/few_rows`` (default ``~/.cache/specdec/few_rows``)."""
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "few_rows"
@@ -336,7 +325,8 @@ def plan_key(model: nn.Module, packed: bool = True, threads: int | None = None) 
             "layers": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]}
 
 
-def _cache_file(key: Mapping[str, Any]) -> Path:
+def cache_file(key: Mapping[str, Any]) -> Path:
+    """The file the plan tuned for ``key`` (:func:`plan_key`) is cached in."""
     digest = hashlib.sha256(json.dumps(dict(key), sort_keys=True).encode()).hexdigest()[:20]
     return cache_folder() / f"{digest}.json"
 
@@ -353,7 +343,7 @@ def cached_plan(model: nn.Module, packed: bool = True) -> Plan | None:
     when none was (or the file does not parse: it is then tuned again)."""
     key = plan_key(model, packed)
     try:
-        record = json.loads(_cache_file(key).read_text())
+        record = json.loads(cache_file(key).read_text())
         return _as_plan(record["plan"]) if record.get("key") == key else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -384,7 +374,7 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
     record = {"key": pkey, "plan": {str(r): how for r, how in plan.items()},
               "times_s": {str(r): t for r, t in times.items()},
               "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = _cache_file(pkey)
+    path = cache_file(pkey)
     try:  # written whole, then moved into place: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -446,28 +436,3 @@ def few_rows(plan: Plan) -> Iterator[None]:
     finally:
         _PLAN.reset(token)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``specdec-autotune``: tune (or, with ``--force``, re-tune) a target's few-row plan for this
-    machine and print it with the cache file, so that no later run measures."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="specdec-autotune", description=main.__doc__)
-    ap.add_argument("--model", default="smollm2-135m", help="an alias or a folder (default: smollm2-135m)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: chosen from the machine)")
-    ap.add_argument("--no-pack", action="store_true", help="never consider oneDNN's packed copies")
-    ap.add_argument("--force", action="store_true", help="measure again even when a plan is cached")
-    args = ap.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        ap.error(f"--threads must be at least 1, got {args.threads}")
-    from specdec.api import load_target
-
-    target = load_target(args.model, threads=args.threads, pack=not args.no_pack, autotune=False)
-    autotune(target.model, packed=target.pack, force=args.force)
-    record = plan_record(target.model, packed=target.pack)
-    print(json.dumps({**record, "key": plan_key(target.model, target.pack),
-                      "file": str(_cache_file(plan_key(target.model, target.pack)))}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

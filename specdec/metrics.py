@@ -144,14 +144,18 @@ class GenerationSummary:
     # the few-row plan the target's linear layers followed (specdec.few_rows.plan_record: source, threads,
     # row count -> product); None where none applies (off the CPU, compiled, fast=False)
     few_rows: dict[str, Any] | None = None
+    # which path each GPU kernel took, per shape bucket (specdec.kernels.choice.record: kernel, shape,
+    # backend, source, both times); None where no choice was made (off the GPU, or a forced backend)
+    kernels: list[dict[str, Any]] | None = None
 
     @classmethod
     def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
-           lossless: bool, k: int, policy: str | None = None, few_rows: dict[str, Any] | None = None
-           ) -> GenerationSummary:
+           lossless: bool, k: int, policy: str | None = None, few_rows: dict[str, Any] | None = None,
+           kernels: list[dict[str, Any]] | None = None) -> GenerationSummary:
         per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
         decoding_s = run.wall_s - run.prefill_s
         return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy, few_rows=few_rows,
+                   kernels=kernels or None,
                    prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
                    **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
                    draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step,
@@ -179,7 +183,14 @@ class GenerationSummary:
                 f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tokens/s); "
                 f"mean accepted length {self.mean_accepted_length:.2f} tokens/step; acceptance by depth [{acc}]; "
                 f"per step: draft {self.draft_ms_per_step:.1f} ms, verify {self.verify_ms_per_step:.1f} ms, "
-                f"loop overhead {self.other_ms_per_step:.2f} ms ({self.other_step_frac:.1%})" + self._plan_text())
+                f"loop overhead {self.other_ms_per_step:.2f} ms ({self.other_step_frac:.1%})" + self._plan_text()
+                + self._kernels_text())
+
+    def _kernels_text(self) -> str:
+        if not self.kernels:
+            return ""
+        paths = sorted({(c["kernel"], c["backend"]) for c in self.kernels})
+        return "; kernels: " + ", ".join(f"{kernel} {backend}" for kernel, backend in paths)
 
     def _plan_text(self) -> str:
         if self.few_rows is None:

@@ -17,7 +17,7 @@ import re
 import shlex
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -261,6 +261,13 @@ def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
             else:
                 out[p.name] = (rec["command"], rec["config"]["out"])
     return out
+
+
+def unmade_checkpoints(names: Iterable[str | Path]) -> dict[str, str]:
+    """Of ``names`` (checkpoint names or their repository paths), those recorded here but not made
+    (:func:`uncommitted_checkpoints`) → the command that makes each: what a run must do first."""
+    recorded = uncommitted_checkpoints()
+    return {Path(n).name: recorded[Path(n).name][0] for n in names if Path(n).name in recorded}
 
 
 def committed_checkpoints() -> dict[str, Path]:

@@ -154,3 +154,24 @@ def test_the_runner_records_the_plan_of_every_loop_method(cache, tmp_path):
     for summary in (res.summary, written):
         assert set(summary) == {"ar", "spec"}
         assert all(s["few_rows"]["source"] == "heuristic" and s["few_rows"]["plan"] == {} for s in summary.values())
+
+
+def test_the_command_tunes_a_target_once_and_prints_its_plan_and_file(cache, measured, threads, monkeypatch, capsys):
+    from specdec import autotune as command
+
+    asked = []
+
+    def load(name, **options):  # the named target, as the command asks for it, is a tiny model
+        asked.append((name, options))
+        return specdec.load_target(tiny_model("llama", vocab_size=48, seed=0), **options)
+
+    monkeypatch.setattr(command, "load_target", load)
+    command.main(["--model", "tiny", "--threads", "1"])
+    out = json.loads(capsys.readouterr().out)
+    assert asked == [("tiny", {"threads": 1, "pack": True, "autotune": False})]
+    assert out["source"] == "measured" and out["plan"] == {"2": "mm"} and measured == [1]
+    assert json.loads(open(out["file"]).read())["plan"] == {"2": "mm"} and out["file"].startswith(str(cache))
+    command.main(["--model", "tiny", "--threads", "1"])  # the second run reads the cache
+    assert json.loads(capsys.readouterr().out)["source"] == "cached" and measured == [1]
+    with pytest.raises(SystemExit):
+        command.main(["--threads", "0"])

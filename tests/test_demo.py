@@ -1,7 +1,7 @@
 """specdec-demo (specdec.eval.demo): it offers exactly the drafters that run from a fresh clone, takes
 each one's k from its checkpoint's record, refuses bad arguments before loading anything, runs
 autoregressive and speculative decoding interleaved after a warm-up, and gives a verdict only when
-every round agrees (the real model's run: tests/test_real_model.py and `make demo`)."""
+every round agrees (the real model runs it: `make demo`)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from specdec.types import Committed
 
 GREEDY = RowSampling([SamplingParams()])
 
-# the z-lab DFlash 2 fixture's config (z-lab/dflash tests/fixtures/dflash2-config.json), its sliding
+# the z-lab DFlash 2 fixture's config (z-lab/dflash's dflash2-config.json), its sliding
 # layers left out: what this loader must read from each field
 ZLAB_DFLASH2 = {
     "architectures": ["DFlash2DraftModel"], "is_causal": False, "head_dim": 128, "hidden_act": "silu",

@@ -18,7 +18,7 @@ from specdec.drafters.mtp.drafter import MTPDrafter
 from specdec.target import Target
 from specdec.testing.tiny import tiny_model
 
-POSITIONS = 2048  # the context: a bf16 inv_freq moved the argmax at 106 of these positions
+POSITIONS = 2048  # a long context: a bf16 inv_freq moved the argmax at 106 of these positions
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_dry_run_writes_every_file(tmp_path):
     kernels = {r["kernel"] for r in kr["rows"]}
     assert kernels == {"rejection chain", "rejection tree", "rejection chain greedy", "draft input", "markov sampler",
                        "kv gather"}
-    assert all(r["exact"] and r["speedup"] > 0 for r in kr["rows"])
+    assert all(r["exact"] and r["speedup"] > 0 and r["unsynchronised_reads"] == 0 for r in kr["rows"])
     fw = res["forward"]["rows"]
     assert {r["batch"] for r in fw} == {1, 4} and all(r["t_over_t1"] == 1.0 for r in fw if r["m"] == 1)
     planted = res["planted"]
@@ -239,3 +239,74 @@ def test_the_kits_planted_section_is_identical_to_autoregressive_at_the_planted_
         assert all(abs(a - 0.8) <= 0.05 for a in r["acceptance_given_reached"]), r["acceptance_given_reached"]
     for plain, scheduled in zip(rows[::2], rows[1::2]):  # the same drafts accepted: the same work
         assert plain["mean_accepted_length"] == pytest.approx(scheduled["mean_accepted_length"], abs=0.15)
+
+
+def _bench_module(name: str, monkeypatch):
+    """A module of experiments/benchmarks/, imported as the kit imports it (experiments/ on the path)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def test_a_kernel_case_that_differs_names_its_first_element_and_the_reference_value(monkeypatch):
+    kb = _bench_module("kernels", monkeypatch)
+    from specdec.types import Verification
+
+    ref = Verification(path=torch.tensor([[0, 1], [-1, -1]]), num_accepted=torch.tensor([2, 0]),
+                       tokens=torch.tensor([[5, 6, 7], [9, -1, -1]]))
+    same = Verification(ref.path.clone(), ref.num_accepted.clone(), ref.tokens.clone())
+    assert kb.verification_difference(ref, same) is None
+    ker = Verification(ref.path.clone(), ref.num_accepted.clone(), ref.tokens.clone())
+    ker.tokens[1, 0] = 4
+    assert kb.verification_difference(ref, ker) == {"where": "tokens[1, 0]", "reference": 9, "kernel": 4}
+    ker.num_accepted[1] = 1  # the count is named before the tokens
+    assert kb.verification_difference(ref, ker)["where"] == "num_accepted[1]"
+    # floats within a tolerance; a tuple names its part
+    a = torch.zeros(2, 3)
+    b = a.clone()
+    b[1, 2] = 1e-3
+    assert kb.first_difference(a, b, atol=1e-2) is None
+    assert kb.first_difference((a, a), (a, b), atol=1e-4) == {"where": "[1][1, 2]", "reference": 0.0,
+                                                               "kernel": b[1, 2].item()}
+    assert kb.first_difference(a, a[:1])["where"] == " shape"
+    assert kb.describe_difference(None) == "True"
+    assert kb.describe_difference({"where": "tokens[23, 0]", "reference": 25961, "kernel": 12089}) == \
+        "False: tokens[23, 0] = 12089, reference 25961"
+
+
+def test_the_kit_table_shows_the_first_difference(monkeypatch):
+    gpu = _bench_module("gpu", monkeypatch)
+    row = {"kernel": "rejection tree", "shape": "B=64 k=8 V=32000", "torch_ms": 6.2, "torch_pct_copy_bw": 0.5,
+           "triton_ms": 0.13, "triton_pct_copy_bw": 24.8, "speedup": 47.1, "exact": False,
+           "first_difference": {"where": "num_accepted[23]", "reference": 2, "kernel": 0}}
+    ok = {**row, "exact": True, "first_difference": None}
+    md = gpu.markdown({"kernels": {"path": "compiled", "copy_bandwidth_GBps": 4252.0, "rows": [row, ok],
+                                   "errors": [], "autotune": {}}, "errors": {}, "skipped": []},
+                      {"gpu": "test", "date": "today", "torch": "x", "triton": "y", "transformers": "z"})
+    assert "| 47.10 | False: num_accepted[23] = 0, reference 2 | – |" in md
+    assert md.count("| True | – |") == 1
+
+
+def test_the_kit_records_the_path_auto_takes(monkeypatch):
+    """Each kernel row says which path the dispatcher takes there, and the run lists every choice."""
+    gpu = _bench_module("gpu", monkeypatch)
+    from specdec.kernels import choice
+
+    calls = []
+
+    def build():
+        return (lambda: calls.append(1) or torch.ones(2)), 8, gpu.first_difference
+
+    monkeypatch.setattr(choice, "_LAST", {"markov": ("torch", "measured")})
+    row = gpu.kernel_row(build, 1e9, "cpu", True, with_triton=False, dispatched="markov")
+    assert (row["auto"], row["auto_why"]) == ("torch", "measured") and len(calls) >= 2
+    rec = [{"kernel": "markov", "shape": {"B": 64, "G": 4, "V": 128256, "R": 64}, "backend": "torch",
+            "source": "measured", "triton_ms": 13.476, "torch_ms": 4.093}]
+    md = gpu.markdown({"kernels": {"path": "compiled", "copy_bandwidth_GBps": 1.0, "errors": [], "autotune": {},
+                                   "rows": [{"kernel": "markov sampler", "shape": "B=64", **row}]},
+                       "kernel_choices": rec, "errors": {}, "skipped": []},
+                      {"gpu": "test", "date": "today", "torch": "x", "triton": "y", "transformers": "z"})
+    assert "| torch (measured) |" in md
+    assert "| markov | B=64 G=4 V=128256 R=64 | torch | measured | 13.476 | 4.093 |" in md
+    assert set(gpu.DISPATCHED.values()) == {"rejection", "norm_concat_linear", "markov", "gather_slots"}

@@ -8,6 +8,7 @@ tolerances each kernel module states. Vocabularies are not multiples of the inte
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -152,6 +153,115 @@ def test_exponential_race_samples_the_distribution():
     assert chi_square(torch.bincount(draws, minlength=6), r) > 1e-3
 
 
+# --- memory ordering inside a program (what the interpreter alone cannot show) ---------------------
+class _Poisoned:
+    """``torch`` for a kernel module, whose ``empty`` fills what it allocates with NaN (floats) or
+    -7 (integers): a kernel that reads memory before writing it gives different results."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan") if t.is_floating_point() else -7)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every ``torch.empty`` of the Triton launchers returns poison."""
+    import specdec.kernels.markov_triton as mk
+    import specdec.kernels.rejection_triton as rk
+
+    for module in (rk, mk):
+        monkeypatch.setattr(module, "torch", _Poisoned())
+
+
+def test_weak_memory_sees_a_store_read_back_without_a_barrier():
+    """The emulation itself: a program that stores a block and reads one element of it back is a
+    hazard (and reads the old value) unless a barrier separates them."""
+    import triton
+    import triton.language as tl
+
+    from specdec.testing.triton_memory import weak_memory
+
+    @triton.jit
+    def store_then_read(buf_ptr, out_ptr, SYNC: tl.constexpr):
+        offs = tl.arange(0, 8)
+        tl.store(buf_ptr + offs, offs + 1.0)
+        if SYNC:
+            tl.debug_barrier()
+        tl.store(out_ptr, tl.load(buf_ptr + 5))
+
+    for sync, hazards, value in ((False, 1, 0.0), (True, 0, 6.0)):
+        buf, out = torch.zeros(8), torch.zeros(1)
+        with weak_memory() as log:
+            store_then_read[(1,)](buf, out, SYNC=sync)
+        assert len(log.hazards) == hazards and out.item() == value
+        assert torch.equal(buf, torch.arange(1.0, 9.0))  # every store lands by the program's end
+
+
+@pytest.mark.parametrize("mode", ["probs", "logits"])
+@pytest.mark.parametrize("dense", [False, True], ids=["deterministic", "dense_q"])
+def test_tree_kernel_reads_its_residual_only_after_a_barrier(poisoned, mode, dense):
+    """A rejected node with a later sibling writes its residual to a scratch row; the sibling's
+    p(x) is then one element of that row, stored by another thread on a GPU. Without a barrier
+    between the two the read races (on an H200 two identical calls disagreed and a row the
+    reference accepts two drafts for accepted none). Under :func:`weak_memory` a store is visible
+    only after a barrier and the scratch starts as NaN, so the race is a wrong answer here."""
+    from specdec.testing.triton_memory import weak_memory
+
+    kit_tree = torch.tensor([-1, -1, 0, 1, 2, 3])  # the GPU kit's tree: two root children, two chains
+    for seed, agree in ((0, 0.0), (1, 3.0), (2, 30.0)):
+        logits, q, tokens, parents, nv, u, noise = _draft(6, 6, 37, dense, seed, True, agree)
+        for par in (parents, kit_tree.expand(6, 6)):
+            kw = (dict(probs=logits.softmax(-1)) if mode == "probs"
+                  else dict(logits=logits, temperature=torch.tensor([1.0, 0.0, 0.7, 1.3, 1.0, 2.0])))
+            with use_backend("torch"):
+                ref = rejection_sample(tokens, par, nv, u, noise, q, **kw)
+            with use_backend("triton"), weak_memory() as log:
+                ker = rejection_sample(tokens, par, nv, u, noise, q, **kw)
+            assert not log.hazards, log.hazards[:3]
+            _same(ref, ker)
+    assert log.barriers > 0  # the residual was written (and synchronised) at least once
+
+
+def test_markov_kernel_reads_q_back_only_after_a_barrier(poisoned):
+    """The Markov sampler stores q, then reads it back for the inverse CDF: behind a barrier."""
+    from specdec.testing.triton_memory import weak_memory
+
+    g = torch.Generator().manual_seed(1)
+    B, G, V, r = 3, 3, 29, 5
+    U = torch.randn(B, G, V, generator=g) * 2
+    W1, W2 = torch.randn(V, r, generator=g), torch.randn(V, r, generator=g) * 0.5
+    x0, u = torch.randint(0, V, (B,), generator=g), torch.rand(B, G, generator=g, dtype=torch.float64)
+    t = torch.tensor([1.0, 0.0, 0.8])
+    with use_backend("torch"):
+        ref, q_ref = markov_sample(U, x0, W1, W2, t, u)
+    with use_backend("triton"), weak_memory() as log:
+        ker, q_ker = markov_sample(U, x0, W1, W2, t, u)
+    assert not log.hazards and log.barriers == B * G
+    assert torch.equal(ref, ker)
+    torch.testing.assert_close(q_ker, q_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_streaming_kernels_never_read_what_they_wrote():
+    """The draft-input GEMM and the KV gather write only their outputs, never read back."""
+    from specdec.testing.triton_memory import weak_memory
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, 24, generator=g), torch.randn(2, 3, 20, generator=g)
+    W = torch.randn(37, 44, generator=g) * 0.1
+    x, order = torch.randn(2, 3, 11, 10), torch.tensor([[0, 3, 4, 9, 10, 1, 2], [5, 6, 7, 8, 0, 0, 0]])
+    with use_backend("triton"), weak_memory() as log:
+        y = norm_concat_linear([a, b], [torch.ones(24), None], W, 1e-6, None)
+        kv = gather_slots(x, order)
+    assert not log.hazards
+    with use_backend("torch"):
+        torch.testing.assert_close(y, norm_concat_linear([a, b], [torch.ones(24), None], W, 1e-6, None))
+        assert torch.equal(kv, gather_slots(x, order))
+
+
 # --- fused draft input ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 def test_norm_concat_linear_kernel_matches_reference(dtype, tol):
@@ -229,6 +339,129 @@ def test_gather_slots_kernel_equals_reference():
     order = torch.tensor([[0, 3, 4, 9, 10, 1, 2], [5, 6, 7, 8, 0, 0, 0]])
     ref, ker = both(gather_slots, x, order)
     assert torch.equal(ref, ker)
+
+
+# --- which path auto takes on a GPU: measured per device and shape ------------------------------------
+from specdec.kernels import choice  # noqa: E402
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch, tmp_path):
+    """``auto`` as on a GPU (the device rule stubbed: the Triton path runs in the interpreter), an
+    empty choice cache, no choice made yet in this process."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    import specdec.kernels.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "on_gpu_device", lambda *tensors: True)
+    choice.forget()
+    yield tmp_path / "kernels"
+    choice.forget()
+
+
+def _timings(monkeypatch, triton_s: float, torch_s: float) -> list[str]:
+    """Stub the measurement: each path takes the given seconds; returns the paths timed, in order."""
+    timed: list[str] = []
+
+    def seconds(path, fn, device):
+        timed.append(path)
+        return {"triton": triton_s, "torch": torch_s}[path]
+
+    monkeypatch.setattr(choice, "seconds", seconds)
+    return timed
+
+
+def _ran(monkeypatch) -> list[str]:
+    """Which path each gather_slots call ran."""
+    import specdec.kernels.compaction as compaction
+    import specdec.kernels.compaction_triton as compaction_triton
+
+    ran: list[str] = []
+    ref, fused = compaction.gather_slots_reference, compaction_triton.gather_slots_triton
+    monkeypatch.setattr(compaction, "gather_slots_reference", lambda *a: ran.append("torch") or ref(*a))
+    monkeypatch.setattr(compaction_triton, "gather_slots_triton", lambda *a: ran.append("triton") or fused(*a))
+    return ran
+
+
+@pytest.mark.parametrize("faster", ["triton", "torch"])
+def test_auto_takes_the_path_measured_faster(as_on_a_gpu, monkeypatch, faster):
+    timed = _timings(monkeypatch, *((1e-3, 2e-3) if faster == "triton" else (2e-3, 1e-3)))
+    ran = _ran(monkeypatch)
+    x, order = torch.randn(3, 2, 9, 4), torch.randint(0, 9, (3, 5))
+    out = gather_slots(x, order)
+    assert timed == ["triton", "torch"] and ran == [faster]  # measured once, then only the winner runs
+    assert choice.last("gather_slots") == (faster, "measured")
+    assert torch.equal(out, torch.gather(x, 2, order[:, None, :, None].expand(-1, 2, -1, 4)))
+    gather_slots(x[:2], order[:2])  # another row count, the same bucket (B = 2 → 2, 3 → 4): no new bucket
+    gather_slots(x[:1], order[:1])  # B = 1: a bucket of its own, measured
+    assert timed == ["triton", "torch"] * 3 and ran == [faster] * 3
+    rec = choice.record()
+    assert [(r["kernel"], r["shape"]["B"], r["backend"], r["source"]) for r in rec] == [
+        ("gather_slots", 1, faster, "measured"), ("gather_slots", 2, faster, "measured"),
+        ("gather_slots", 4, faster, "measured")]
+    assert rec[0]["shape"] == {"B": 1, "H": 2, "S": 8, "D": 4, "dtype": "float32"}
+    assert {r["triton_ms"] for r in rec} == {1.0 if faster == "triton" else 2.0}
+
+
+def test_a_choice_is_cached_on_disk_per_device_and_shape(as_on_a_gpu, monkeypatch):
+    timed = _timings(monkeypatch, 2e-3, 1e-3)
+    x, order = torch.randn(2, 2, 9, 4), torch.randint(0, 9, (2, 5))
+    gather_slots(x, order)
+    files = sorted(as_on_a_gpu.glob("*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    key = choice.choice_key("gather_slots", {"B": 2, "H": 2, "S": 8, "D": 4, "dtype": "float32"}, x.device)
+    assert saved["key"] == key and saved["backend"] == "torch" and saved["torch_ms"] == 1.0
+    assert set(key) == {"device", "torch", "triton", "kernel", "shape"} and key["device"] == {"name": "cpu", "arch": "cpu"}
+    choice.forget()  # a new process on the same machine: read, not measured
+    ran = _ran(monkeypatch)
+    gather_slots(x, order)
+    assert timed == ["triton", "torch"] and ran == ["torch"] and choice.last("gather_slots") == ("torch", "cached")
+    assert choice.record()[0]["source"] == "cached"
+    # another torch (or GPU, or triton) is another key: measured again
+    saved["key"]["torch"] = "0.0"
+    files[0].write_text(json.dumps(saved))
+    choice.forget()
+    gather_slots(x, order)
+    assert timed == ["triton", "torch"] * 2 and choice.last("gather_slots") == ("torch", "measured")
+
+
+def test_a_forced_backend_is_obeyed_and_never_measured(as_on_a_gpu, monkeypatch):
+    timed = _timings(monkeypatch, 1e-3, 2e-3)
+    ran = _ran(monkeypatch)
+    for forced in ("torch", "triton"):
+        with use_backend(forced):
+            gather_slots(torch.randn(1, 1, 4, 2), torch.tensor([[1, 0]]))
+        assert choice.last("gather_slots") == (forced, "forced")
+    assert timed == [] and ran == ["torch", "triton"] and choice.record() == []
+
+
+def test_every_kernel_names_its_bucket(as_on_a_gpu, monkeypatch):
+    """Each public kernel goes through the measured choice, with the shape its cost depends on."""
+    _timings(monkeypatch, 2e-3, 1e-3)  # the reference wins: fast on CPU
+    logits, q, tokens, parents, nv, u, noise = _draft(3, 5, 37, True, 0)
+    rejection_sample(tokens, parents, nv, u, noise, q, probs=logits.softmax(-1))
+    markov_sample(torch.randn(3, 2, 29), torch.tensor([1, 2, 3]), torch.randn(29, 5), torch.randn(29, 5), 1.0,
+                  torch.rand(3, 2, dtype=torch.float64))
+    norm_concat_linear([torch.randn(3, 24), torch.randn(3, 20)], [torch.ones(24), None], torch.randn(37, 44))
+    shapes = {r["kernel"]: r["shape"] for r in choice.record()}
+    assert shapes == {
+        "rejection": {"B": 4, "n": 8, "V": 37, "scores": "probs", "q": True, "noise": True},
+        "markov": {"B": 4, "G": 2, "V": 29, "R": 5},
+        "norm_concat_linear": {"M": 4, "widths": [24, 20], "N": 37, "norms": [True, False], "bias": False,
+                               "dtype": "float32"}}
+
+
+def test_the_generation_summary_records_each_kernel_path(as_on_a_gpu, monkeypatch, target):
+    _timings(monkeypatch, 2e-3, 1e-3)
+    res = specdec.generate(target, [[1, 2, 3]], RandomDrafter.create(target, siblings="iid"), k=3,
+                           max_new_tokens=4, sampling=SamplingParams(temperature=1.0, seed=0))
+    kernels = res.summary.kernels
+    assert kernels and {(c["kernel"], c["backend"], c["source"]) for c in kernels} == {("rejection", "torch", "measured")}
+    assert "kernels: rejection torch" in str(res.summary)
+    assert json.loads(res.summary.to_json())["kernels"] == kernels
+    choice.forget()
+    with use_backend("torch"):  # nothing chosen: nothing recorded
+        assert specdec.generate(target, [[1, 2, 3]], None, max_new_tokens=2).summary.kernels is None
 
 
 # --- the conformance suite through the kernels ----------------------------------------------------
@@ -317,3 +550,21 @@ def test_kernels_compile_for_mi300x_without_a_gpu():
                           "--targets", "gfx942"], env={**env, "TRITON_DEFAULT_FP_FUSION": "1"},
                          cwd=ROOT / "experiments", capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "all compiled" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_barriers_survive_compilation_for_sm_90():
+    """The tree kernel's barrier (after its residual is written) and the Markov sampler's (before q is
+    read back) are in the code compiled for an H200: one ``ttg.barrier`` each after Triton's passes
+    (the reductions' own barriers come later, in the lowering to LLVM)."""
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from benchmarks.compile_kernels import kernels, compile_one, TARGETS\n"
+            "for name, fn, types, consts, configs in kernels('cuda', True):\n"
+            "    if name in ('rejection', 'markov'):\n"
+            "        b = compile_one(fn, types, consts, configs[0], TARGETS['cuda'])\n"
+            "        print(name, b.asm['ttgir'].count('ttg.barrier'), 'bar.sync' in b.asm['ptx'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT / "experiments", capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["rejection 1 True", "markov 1 True"], out.stdout

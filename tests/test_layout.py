@@ -9,11 +9,13 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
 PACKAGES = {"specdec": ROOT / "specdec", "specdec.drafters": ROOT / "drafters", "specdec.verifiers": ROOT / "verifiers"}
 
 
@@ -49,20 +51,73 @@ def _layer(module: str) -> str:
     return "core"
 
 
-# Which layer may import which (besides itself): the core only itself.
+# Which layer may import which (besides itself): the core only itself and its kernels.
 ALLOWED = {
     "core": {"specdec.kernels"},
     "specdec.kernels": {"core"},
     "specdec.verifiers": {"core", "specdec.kernels"},
-    # tiny() factories build random tiny models with the test tools; train.py files use the trainer
     "specdec.drafters": {"core", "specdec.kernels", "specdec.training", "specdec.testing", "specdec.data"},
-    # the data layer sits below training and evaluation: it generates sequences with the loop (a
-    # verifier) and builds the tiny target of the test tools; it never imports training or eval
     "specdec.data": {"core", "specdec.kernels", "specdec.verifiers", "specdec.testing"},
-    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},  # never eval
+    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},
     "specdec.eval": {"core", "specdec.testing", "specdec.data"},
-    "specdec.testing": {"core", "specdec.verifiers"},  # the suite verifies with every verifier
+    "specdec.testing": {"core", "specdec.verifiers"},
 }
+# why a layer imports what it does (rendered into the drawing of docs/architecture.md)
+WHY = {
+    "core": "never names a drafter: drafters and verifiers are found by name (specdec.registry)",
+    "specdec.drafters": "tiny() builds random tiny models with the test tools; only train.py imports the trainer"
+                        " and the data layer",
+    "specdec.data": "below training and evaluation: generates sequences with the loop (a verifier), builds the"
+                    " test tools' tiny target",
+    "specdec.training": "never evaluation",
+    "specdec.testing": "the conformance suite verifies with every verifier",
+}
+FOLDERS = {"core": "specdec/*.py", "specdec.kernels": "specdec/kernels/", "specdec.verifiers": "verifiers/",
+           "specdec.drafters": "drafters/", "specdec.data": "specdec/data/", "specdec.training": "specdec/training/",
+           "specdec.eval": "specdec/eval/", "specdec.testing": "specdec/testing/"}
+LAYOUT_MARK = "<!-- the layout: rendered from tests/test_layout.py's rules by `python tests/test_layout.py` -->"
+
+
+def _reach(layer: str) -> set[str]:
+    seen, todo = set(), [layer]
+    while todo:
+        for nxt in ALLOWED[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen - {layer}
+
+
+def render_layout() -> str:
+    """The drawing of docs/architecture.md: every layer, highest first (the most layers below it),
+    with its folder, what it holds (read from the tree) and what it may import (:data:`ALLOWED`)."""
+    def members(layer: str) -> list[str]:
+        prefix = "specdec" if layer == "core" else layer
+        rests = [(m[len(prefix) + 1:], MODULES[m].name == "__init__.py") for m in MODULES
+                 if _layer(m) == layer and m != prefix]
+        return sorted({rest.split(".")[0] + ("/" if package or "." in rest else "") for rest, package in rests})
+
+    def block(folder: str, holds: list[str], imports: str, why: str | None) -> list[str]:
+        lines = textwrap.wrap(" ".join(holds), 100, initial_indent=f"{folder:<18}", subsequent_indent=" " * 18)
+        lines += textwrap.wrap(f"imports {imports}", 100, initial_indent=" " * 4, subsequent_indent=" " * 12)
+        return lines + (textwrap.wrap(f"why: {why}", 100, initial_indent=" " * 4, subsequent_indent=" " * 9) if why else [])
+
+    lab = sorted(f.name for f in EXPERIMENTS.glob("*.py")) + sorted(f"{d.name}/" for d in EXPERIMENTS.iterdir()
+                                                                   if d.is_dir() and not d.name.startswith(("_", ".")))
+    lines = block("experiments/", lab, "any layer: the lab (runner, trainer, reports, benchmarks); no layer imports it", None)
+    for layer in sorted(ALLOWED, key=lambda x: (-len(_reach(x)), FOLDERS[x])):
+        lines += block(FOLDERS[layer], members(layer), ", ".join(sorted(FOLDERS[x] for x in ALLOWED[layer])),
+                       WHY.get(layer))
+    return "\n".join(lines) + "\n"
+
+
+def _drawing(text: str) -> str:
+    return text.partition(LAYOUT_MARK)[2].partition("```text\n")[2].partition("```")[0]
+
+
+def test_the_architecture_drawing_is_rendered_from_these_rules():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    assert LAYOUT_MARK in page, "docs/architecture.md lost its rendered layout"
+    assert _drawing(page) == render_layout(), "docs/architecture.md's layout is stale: run python tests/test_layout.py"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
@@ -70,6 +125,80 @@ def test_imports_point_inward(module):
     layer = _layer(module)
     bad = sorted(m for m in _imports(MODULES[module]) if _layer(m) not in ALLOWED[layer] | {layer})
     assert not bad, f"{module} ({layer}) imports {bad}"
+
+
+def _edges(module: str, modules: dict[str, Path]) -> set[str]:
+    """The modules of ``modules`` that ``module`` imports: ``from P import x`` names ``P.x`` when that
+    is a module, else ``P``; ``import P.x`` the longest prefix that is one; relative imports are
+    resolved against ``module``'s package."""
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    path = modules[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(known(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else known(base) for a in node.names)
+    return out - {None, module}
+
+
+def import_cycles(modules: dict[str, Path] = MODULES) -> list[list[str]]:
+    """Every circle of imports among ``modules`` (the strongly connected components of more than one
+    module, by Tarjan's algorithm), each sorted."""
+    graph = {m: sorted(_edges(m, modules)) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    """No module imports, however indirectly, one that imports it back (function-level imports
+    count: a circle hidden in a function is still a circle)."""
+    assert not import_cycles(), f"import circles: {import_cycles()}"
+
+
+def test_the_cycle_finder_sees_a_circle_through_a_function_and_a_relative_import(tmp_path):
+    (tmp_path / "p").mkdir()
+    files = {"specdec.p": tmp_path / "p" / "__init__.py", "specdec.p.a": tmp_path / "p" / "a.py",
+             "specdec.p.b": tmp_path / "p" / "b.py", "specdec.c": tmp_path / "c.py"}
+    files["specdec.p"].write_text("")
+    files["specdec.p.a"].write_text("from .b import x\n")
+    files["specdec.p.b"].write_text("import specdec.c\n")
+    files["specdec.c"].write_text("def f():\n    from specdec.p import a\n")
+    assert import_cycles(files) == [["specdec.c", "specdec.p.a", "specdec.p.b"]]
+    files["specdec.c"].write_text("def f():\n    from specdec import p\n")  # the package, not a
+
+    assert import_cycles(files) == []
 
 
 def test_drafter_modules_import_training_only_from_their_training_code():
@@ -97,13 +226,12 @@ def test_drafters_use_only_the_target_seam(module):
     assert not hits, "\n".join(hits)
 
 
-# --- the house rules of issue 31 ---------------------------------------------------------------------
-EXPERIMENTS = ROOT / "experiments"
+# --- the house rules of experiments/ -----------------------------------------------------------------
 # what may stay a script in experiments/: the runner, the trainer, and thin commands, each with a docstring
 COMMANDS = {
     "run.py": "the one runner (Hydra): every decoding question is a preset of it",
     "train.py": "the one trainer (Hydra)",
-    "report.py": "renders each question's current tables from its runs",
+    "report.py": "the one renderer: every table and figure of a run, a sweep or a question, from its records",
     "bench.py": "runs one module of experiments/benchmarks/",
     "generate_corpus.py": "grows the training corpus (the data layer's command)",
 }
@@ -202,3 +330,102 @@ def test_the_runners_package_names_no_drafter_module(module):
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(MODULES[module].read_text().splitlines(), 1)
             if DRAFTER_MODULE.search(line)]
     assert not hits, "\n".join(hits)
+
+
+# The machine is read in one place (specdec/provenance.py: cpu(), once per process), so every record
+# names the CPU the same way.
+CPUINFO = re.compile(r"""(["'])/proc/cpuinfo\1|(["'])lscpu\2""")
+
+
+def test_only_provenance_reads_the_cpu():
+    files = [f for folder in ("specdec", "drafters", "verifiers", "experiments", "tests") for f in (ROOT / folder).rglob("*.py")]
+    hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
+            if f.relative_to(ROOT).as_posix() not in ("specdec/provenance.py", "tests/test_layout.py")
+            for i, line in enumerate(f.read_text().splitlines(), 1) if CPUINFO.search(line.split("#")[0])]
+    assert not hits, "read the CPU with specdec.provenance.cpu():\n" + "\n".join(hits)
+
+
+if __name__ == "__main__":  # render the layout into docs/architecture.md
+    architecture = ROOT / "docs" / "architecture.md"
+    text = architecture.read_text()
+    architecture.write_text(text.replace(_drawing(text), render_layout(), 1) if _drawing(text) else text)
+
+
+# --- the line between library and lab ------------------------------------------------------------------
+# specdec/, drafters/ and verifiers/ are the library: they parse no command line (the console scripts of
+# pyproject.toml excepted), start no process, name no folder of the lab (experiments/ but its shipped
+# checkpoints, docs/, outputs/, multirun/, tests/) and write no Markdown or figures. The lab
+# (experiments/) does those. Read from the source: imports, string constants (docstrings aside) and calls.
+LAB_PATH = re.compile(r"^(experiments(/(?!checkpoints\b)|$)|docs/|outputs/|multirun/|tests/)")
+MARKDOWN = re.compile(r"\|-{3}|-{3}:?\||\.md$")
+
+
+def _console_scripts() -> set[str]:
+    scripts = (ROOT / "pyproject.toml").read_text().partition("[project.scripts]")[2].partition("\n[")[0]
+    return set(re.findall(r'^[\w-]+ = "([\w.]+):', scripts, flags=re.M))
+
+
+def library_crossings(path: Path, module: str) -> set[str]:
+    """Which lab work ``module`` does: ``argparse``, ``subprocess``, ``lab path`` (a string naming a
+    folder of the lab), ``markdown`` (a table rule or a ``.md`` name), ``figures`` (matplotlib)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and n.body and isinstance(n.body[0], ast.Expr)}
+    found = set()
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+        for name in names:
+            top = name.split(".")[0]
+            if top in ("argparse", "subprocess"):
+                found.add(top)
+            elif top == "matplotlib":
+                found.add("figures")
+        if isinstance(node, ast.Attribute) and node.attr == "savefig":
+            found.add("figures")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if LAB_PATH.match(node.value):
+                found.add("lab path")
+            if MARKDOWN.search(node.value):
+                found.add("markdown")
+    if module in _console_scripts():
+        found.discard("argparse")
+    return found
+
+
+# Kept on purpose: the commit and dirty flag of every record come from git; a source checkout maps
+# experiments/checkpoints/ into the package (specdec.checkpoints).
+LIBRARY_EXCEPTIONS = {
+    ("specdec.provenance", "subprocess"),
+    ("specdec", "lab path"),
+}
+# Lab work still inside the library, to move to experiments/ (each fixed entry leaves this list):
+LIBRARY_OFFENDERS = {
+    ("specdec.data.store", "argparse"), ("specdec.data.store", "lab path"),  # the store's command line
+    ("specdec.training.config", "lab path"),  # the trainer's default work folder
+    ("specdec.training.curves", "argparse"), ("specdec.training.curves", "subprocess"),  # the curves orchestrator
+    ("specdec.training.curves", "lab path"), ("specdec.training.curves", "markdown"),
+    ("specdec.training.curves", "figures"),
+}
+
+
+def test_the_library_does_no_lab_work():
+    found = {(m, what) for m, p in MODULES.items() for what in library_crossings(p, m)}
+    new = sorted(found - LIBRARY_EXCEPTIONS - LIBRARY_OFFENDERS)
+    assert not new, f"lab work in the library (move it to experiments/): {new}"
+    moved = sorted(LIBRARY_OFFENDERS - found)
+    assert not moved, f"moved out: remove from LIBRARY_OFFENDERS: {moved}"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("import argparse\n", {"argparse"}), ("from subprocess import run\n", {"subprocess"}),
+    ("import matplotlib.pyplot as plt\n", {"figures"}), ("fig.savefig(p)\n", {"figures"}),
+    ("OUT = 'docs/results/x'\n", {"lab path"}), ("p = 'page.md'\n", {"markdown"}),
+    ("rows = ['|---|---:|']\n", {"markdown"}), ("c = 'experiments/checkpoints/x'\n", set()),
+    ('"""Writes docs/x.md."""\n', set()), ("x = 'a | b'\n", set()),
+])
+def test_the_library_line_finder(source, found, tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    assert library_crossings(path, "specdec.m") == found

@@ -1,4 +1,4 @@
-"""Long-context bookkeeping (issue 34): the KV store says what it holds, and a drafter's pass over
+"""Long-context bookkeeping: the KV store says what it holds, and a drafter's pass over
 the prompt counts as prefill, not as drafting."""
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def test_policy_names_and_errors(target):
     assert specdec.generate(target, [[1, 2, 3]], drafter="ngram", max_new_tokens=2).summary.policy is None
 
 
-# --- switching speculation off (issue 34) -------------------------------------------------------
+# --- switching speculation off ------------------------------------------------------------------
 class _SlowPlanted(PlantedDrafter):
     """A planted drafter (acceptance ``p`` per position) whose draft pass sleeps: drafting that is
     accurate but too slow to pay."""

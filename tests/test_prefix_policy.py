@@ -1,16 +1,12 @@
 """The prefix scheduler as a draft-length policy (specdec.policy.PrefixPolicy): the schedule on
 padded and ragged blocks, the policy on any chain drafter that reports a confidence (the planted
-one), and DSpark's scheduled runs token for token as they were before the scheduler became a
-policy.
+one), and DSpark's and the planted drafter's scheduled runs token for token against a reference.
 
-``tests/data/prefix_schedule.json`` was recorded at commit 8d441f6, when the scheduler lived in
-``specdec/scheduler.py`` (DSpark applied ``schedule``/``skip_step`` itself; the planted drafter
-ran under the ``ScheduledDrafter`` wrapper), by the scenarios below with the old API. The
-scenarios cover the padded and ragged trade-offs, a shared budget, skipped draft passes with
-their re-probes, and greedy and sampled decoding. (A sixth, the adaptive policy stacked on top,
-held until the adaptive policy's own rule changed at e9ff850, which switches speculation off: it
-is no longer a record of DSpark alone, so it left the file; the conformance suite still runs the
-scheduled cases under the adaptive policy.)
+``tests/data/prefix_schedule.json`` is that reference: per scenario below (the padded and ragged
+trade-offs, a shared budget, skipped draft passes with their re-probes, greedy and sampled
+decoding), the tokens, steps, drafted and accepted counts of every request, recorded from a
+scheduler written apart from this policy (inside DSpark and a drafter wrapper), so the policy is
+checked against an independent implementation, not against itself.
 """
 
 from __future__ import annotations

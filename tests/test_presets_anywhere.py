@@ -68,7 +68,7 @@ def test_every_presets_committed_files_resolve_from_another_folder(elsewhere):
         for path in maps:
             assert repo_path(path).is_file(), (preset, path)
             seen.add(path)
-    assert "experiments/checkpoints/tiny-deepseek-v3-mtp" in seen  # the preset the issue named
+    assert "experiments/checkpoints/tiny-deepseek-v3-mtp" in seen  # native_mtp reads the tiny committed MTP checkpoint
     assert any(s.startswith("experiments/checkpoints/smollm2-135m-") for s in seen)
     assert not Path("experiments").exists()  # really elsewhere
 
@@ -82,3 +82,38 @@ def test_a_committed_target_loads_by_name_or_repository_path_from_another_folder
         resolve_checkpoint("experiments/checkpoints/smollm2-135m-dflash")
     with pytest.raises(FileNotFoundError, match="not a local folder"):
         load_model("experiments/checkpoints/no-such-model")
+
+
+def _tracked_checkpoint_configs() -> set[str] | None:
+    import subprocess
+
+    out = subprocess.run(["git", "ls-files", "experiments/checkpoints"], cwd=REPO_ROOT, capture_output=True, text=True)
+    return set(out.stdout.splitlines()) if out.returncode == 0 else None
+
+
+def test_presets_mark_the_checkpoints_a_fresh_clone_lacks(elsewhere):
+    """A preset that reads a checkpoint whose weights are not committed says so (``needs_remake``),
+    and only then: computed from what a fresh clone holds (git's tracked files), not this folder."""
+    tracked = _tracked_checkpoint_configs()
+    if tracked is None:
+        pytest.skip("not a git checkout: which checkpoints are committed is unknown")
+    entry = _entry()
+    wrong = {}
+    for preset in PRESETS:
+        run = entry.to_run_config(compose(config_name=preset))
+        lacks = sorted({Path(c).name for c in entry.checkpoints_read(run)
+                        if f"experiments/checkpoints/{Path(c).name}/config.json" not in tracked})
+        if sorted(run.needs_remake) != lacks:
+            wrong[preset] = {"marked": sorted(run.needs_remake), "lacks": lacks}
+    assert not wrong, f"set needs_remake to what each preset lacks: {wrong}"
+
+
+def test_a_run_of_an_unmade_checkpoint_stops_first_naming_its_command(elsewhere):
+    entry = _entry()
+    run = entry.to_run_config(compose(config_name="posthoc_mtp"))
+    unmade = uncommitted_checkpoints()
+    if "smollm2-135m-mtp" not in unmade:
+        pytest.skip("smollm2-135m-mtp was made in this checkout")
+    with pytest.raises(SystemExit, match="smollm2-135m-mtp: python experiments/train.py --config-name smollm2_mtp"):
+        entry.check_made(run)
+    entry.check_made(entry.to_run_config(compose(config_name="ngram_sweep")))  # nothing to make: no stop

@@ -98,7 +98,8 @@ def test_a_drafted_token_with_zero_or_nan_q_is_refused():
 
 
 def test_random_drafter_exhausting_top_p_falls_back_to_one_hot(target):
-    """The reproduction of the issue: siblings drawn without replacement at T 1.3, top-p 0.8."""
+    """Siblings drawn without replacement at T 1.3, top-p 0.8 exhaust the warped distribution: the
+    drafter falls back to a one-hot q."""
     from specdec.testing import RandomDrafter
     from specdec.sampling import RowSampling
 

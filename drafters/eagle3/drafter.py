@@ -20,8 +20,9 @@ they pass the store's compaction threshold.
 - ``tree="static"``: ``static_tree`` paths (vLLM ``speculative_token_tree``), cut at depth ``k``.
   Sampling draws a node's children *without replacement* from the warped draft distribution; child
   ``r``'s q is that distribution renormalised without its earlier siblings (one-hot on the best
-  remaining draft token once the warped mass is used up), which :mod:`specdec.verifiers.walk`
-  verifies exactly. Greedy: the top-``c`` tokens, q None.
+  remaining draft token once the warped mass is used up), which recursive rejection sampling
+  (:mod:`specdec.verifiers.rejection`, :mod:`specdec.kernels.rejection`) verifies exactly.
+  Greedy: the top-``c`` tokens, q None.
 - ``tree="dynamic"``: EAGLE-2 (:func:`~specdec.drafters.eagle3.tree.rerank`), depth ``k``,
   ``tree_top_k`` children per expanded node, ``tree_budget`` nodes; always deterministic (q None),
   since which sampled node to keep would depend on the draws themselves.

@@ -182,7 +182,7 @@ class Eagle3Recipe(Recipe):
             chain = [a + c for a, c in zip(chain, r.chain)]
         # accept: each step on its own, given the true tokens before it; chain: the first s+1 steps all
         # right, per anchor counted at step 0 (close to what decoding accepts at depth s+1; the other
-        # counts deep steps decoding never reaches: experiments/eagle3_chain_estimate.py)
+        # counts deep steps decoding never reaches: experiments/benchmarks/eagle3_chain_estimate.py)
         return StepOutput(total, {"accept": [c / max(1, n) for c, n in zip(correct, counted)],
                                   "chain": [c / max(1, counted[0]) for c in chain]})
 

@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from specdec.drafters.mtp.modules import build_mtp_modules
 from specdec.target import Target
 
 __all__ = ["read_mtp_layout", "mtp_keys", "load_mtp_modules", "from_checkpoint_layout", "to_checkpoint_layout",
@@ -133,8 +134,6 @@ def to_checkpoint_layout(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def load_mtp_modules(target: Target, folder: str | Path) -> nn.ModuleList:
     """The MTP modules stored in ``folder`` for ``target``, reading only their tensors."""
-    from specdec.drafters.mtp.drafter import build_mtp_modules
-
     L, depth = read_mtp_layout(folder)
     if L != target.num_layers:
         raise ValueError(f"{folder}: MTP modules follow {L} layers, the target has {target.num_layers}")

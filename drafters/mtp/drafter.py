@@ -38,7 +38,7 @@ Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabular
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,11 +48,11 @@ from torch import Tensor, nn
 
 from specdec.draft_vocab import draft_vocabulary
 from specdec.drafter import Drafter
-from specdec.kernels import fused_norm_concat_linear, rms_norm_params
+from specdec.drafters.mtp.checkpoint import load_mtp_modules
+from specdec.drafters.mtp.modules import MTPModule, build_mtp_modules
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
-from specdec.transformers_versions import cache_kwargs
 from specdec.types import Committed, DraftProposal, Requirements
 from specdec.validate import as_float_dtype, as_int
 
@@ -91,51 +91,6 @@ def module_for_step(j: int, depth: int, policy: str) -> int:
     return {"cycle": j % depth, "last": depth - 1, "first": 0}[policy]
 
 
-class MTPModule(nn.Module):
-    """One MTP / NextN module; parameter names are the checkpoint's (``model.layers.{L+d}.``)."""
-
-    def __init__(self, block: nn.Module, new_norm: Callable[[], nn.Module], hidden_size: int):
-        super().__init__()
-        self.enorm = new_norm()
-        self.hnorm = new_norm()
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.mtp_block = block
-        self.shared_head = nn.Module()
-        self.shared_head.norm = new_norm()
-
-    def forward(self, embeds: Tensor, hidden: Tensor, position_embeddings, position_ids: Tensor,
-                attention_mask: Tensor | None = None, cache=None) -> tuple[Tensor, Tensor]:
-        """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each;
-        ``cache`` is a store as :meth:`specdec.target.Target.kv_cache` hands it to the block."""
-        x = self.draft_input(embeds, hidden)
-        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache),
-                             use_cache=cache is not None, position_embeddings=position_embeddings)
-        out = out[0] if isinstance(out, tuple) else out
-        return out, self.shared_head.norm(out)
-
-    def draft_input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
-        """``eh_proj(cat[enorm(emb), hnorm(h)])``, fused (no concatenation in memory) when both
-        norms are the Llama-form RMSNorm the fused kernel implements; otherwise the modules."""
-        e, h = rms_norm_params(self.enorm), rms_norm_params(self.hnorm)
-        if e is None or h is None or e[1] != h[1]:
-            return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        return fused_norm_concat_linear(embeds, hidden, e[0], h[0], self.eh_proj.weight, e[1], self.eh_proj.bias)
-
-
-def build_mtp_modules(target: Target, depth: int) -> nn.ModuleList:
-    """``depth`` randomly initialised MTP modules of the target's family (its own decoder layer,
-    built like its last layer: MoE for DeepSeek-V3, as transformers builds them, and norm), built
-    first and then initialised in one pass as the target's model initialises."""
-    cfg = target.layer_config(-1, depth)
-    eps = getattr(cfg, "rms_norm_eps", 1e-6)
-    modules = nn.ModuleList([
-        MTPModule(target.new_layer(cfg, d), lambda: target.new_norm(cfg.hidden_size, eps), cfg.hidden_size)
-        for d in range(depth)])
-    for m in modules:
-        target.init_weights(m)
-    return modules.to(dtype=target.dtype)
-
-
 @dataclass
 class _Stream:
     cache: KVStore  # one layer per MTP module; a stream writes its module's
@@ -168,8 +123,6 @@ class MTPDrafter(Drafter):
         default: the folder the target was loaded from), plus :class:`MTPConfig` fields."""
         config = MTPConfig(**options)
         if modules is None:
-            from specdec.drafters.mtp.checkpoint import load_mtp_modules
-
             folder = config.checkpoint or getattr(target.config, "_name_or_path", "")
             if not folder or not Path(folder).is_dir():
                 raise ValueError(f"mtp needs `checkpoint`, a local folder with MTP layers; got {folder!r}"

@@ -19,9 +19,13 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
 1. **kernels**: every Triton kernel against its torch reference on the same inputs: identical
    integers / allclose floats, median time (``triton.testing.do_bench`` on a GPU, a
    ``perf_counter`` loop on CPU), bytes over time as % of a measured device-to-device ``copy_``,
-   speedup over the reference. Real shapes on a GPU; tiny ones in the dry run, where the Triton
-   path runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set before triton is imported),
-   or only the reference when triton is absent (``results.json`` says which).
+   speedup over the reference; a case that differs names its first differing element and the
+   reference's value there; and the path ``auto`` takes there (``specdec.kernels.choice``). Real
+   shapes on a GPU; tiny ones in the dry run, where the Triton path runs in Triton's CPU
+   interpreter (``TRITON_INTERPRET=1``, set before triton is imported) under
+   ``specdec.testing.triton_memory.weak_memory`` (a store seen only after a barrier, as on a GPU;
+   each row counts its unsynchronised reads), or only the reference when triton is absent
+   (``results.json`` says which).
 2. **forward**: a random-weight Llama-3.1-8B (hidden 4096, 32 layers, 32/8 heads, MLP 14336,
    vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
    one forward over m new tokens after a 512-token context, ``t(m)/t(1)``, at batch 1, 4, 16, 64;
@@ -67,8 +71,10 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   ``do_bench`` calls of ~35 ms (warm-up 5 ms, 20 ms of repeats, plus the first call) ≈ 8 s; input
   generation (multinomial over up to 64·8 × 262k) ≈ 15 s. Draft input 3 M × 2 paths, 4 GEMM
   configs compiled (~8 s); Markov 3 B × 2 paths, its own configs (BLOCK 128–512, those whose
-  ``[BLOCK, 64]`` tile fits 16K elements: 3, ~5 s); KV gather 3 shapes (one compile). Kernels
-  total ≈ 90 s (a kernel's first case is budgeted at 20 s, the others at 3 s).
+  ``[BLOCK, 64]`` tile fits 16K elements: 3, ~5 s); KV gather 3 shapes (one compile). One call
+  per case under ``auto``: each is a new bucket of the dispatcher, which times both paths (9 calls
+  each: 117 cases × ~18 calls of 0.1–13 ms ≈ 10 s). Kernels total ≈ 100 s (a kernel's first case
+  is budgeted at 20 s, the others at 3 s).
 - forward: building 8.0 B bf16 parameters on the GPU ≈ 10 s. Per batch B ∈ {1, 4, 16, 64}: a
   512-token prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up
   + 5 timed) forwards: 168 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s;
@@ -88,7 +94,7 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   measured 4.5 s a step (30 steps in 136 s). The section stops at 90 s: 8 steps, then as many as
   its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
 
-Sum ≈ 15 + 90 + 30 + 45 + 30 + 90 ≈ 300 s (5 minutes), under the 8 minutes with the 360 s
+Sum ≈ 15 + 100 + 30 + 45 + 30 + 90 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
 guard covering a slow compile cache or a slower GPU (a section starts only when its estimate fits
 by 360 s; the training, the largest, is estimated at its whole 90 s).
 """
@@ -96,6 +102,7 @@ by 360 s; the training, the largest, is estimated at its whole 90 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -123,10 +130,13 @@ if importlib.util.find_spec("specdec") is None:  # a bare checkout on the GPU ma
 
 import torch  # noqa: E402
 
-from benchmarks.kernels import make_inputs  # noqa: E402  (experiments/ is the command's folder)
-from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
-                             triton_available, use_backend)
+# experiments/ is the command's folder
+from benchmarks.kernels import (describe_difference, first_difference, make_inputs,  # noqa: E402
+                               verification_difference)
+from specdec.kernels import (choice, gather_slots, markov_sample, norm_concat_linear,  # noqa: E402
+                             rejection_sample, triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
+from specdec.testing.triton_memory import weak_memory  # noqa: E402
 from specdec.timing import measure, now  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
@@ -206,11 +216,15 @@ def copy_bandwidth(device: str, dry: bool) -> float:
     return 2 * n / median_s(lambda: dst.copy_(src), device)
 
 
+# the kit's kernel names -> the dispatcher's (specdec.kernels.choice)
+DISPATCHED = {"rejection chain": "rejection", "rejection tree": "rejection", "rejection chain greedy": "rejection",
+              "draft input": "norm_concat_linear", "markov sampler": "markov", "kv gather": "gather_slots"}
+
+
 def kernel_cases(device: str, dry: bool):
     """(kernel, shape label, inputs builder) for every kernel and shape; builders return
-    (call(), bytes moved, compare(ref, ker) -> bool)."""
+    (call(), bytes moved, difference(ref, ker) -> the first differing element, or None)."""
     g = torch.Generator(device=device).manual_seed(0)
-    same_tokens = lambda a, b: torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)  # noqa: E731
     Bs, ks, Vs = ((1, 2), (1, 3), (37,)) if dry else ((1, 8, 64), (1, 4, 8), (32_000, 128_256, 152_064, 262_144))
     for variant, mode, tree in (("chain", "probs", False), ("tree", "probs", True), ("chain greedy", "greedy", False)):
         for V in Vs:
@@ -218,7 +232,7 @@ def kernel_cases(device: str, dry: bool):
                 for k in ks:
                     def build(B=B, k=k, V=V, mode=mode, tree=tree):
                         args, kw, nbytes = make_inputs(B, k, V, device, mode, tree=tree)
-                        return (lambda: rejection_sample(*args, **kw)), nbytes, same_tokens
+                        return (lambda: rejection_sample(*args, **kw)), nbytes, verification_difference
                     yield f"rejection {variant}", f"B={B} k={k} V={V}", build
     dt = torch.float32 if dry else torch.bfloat16
     D = 32 if dry else 4096
@@ -230,7 +244,7 @@ def kernel_cases(device: str, dry: bool):
             nbytes = (w.numel() + a.numel() + b.numel() + wa.numel() + M * D) * a.element_size()
             tol = 1e-4 if dt == torch.float32 else 2e-2
             return (lambda: norm_concat_linear([a, b], [wa, wb], w)), nbytes, \
-                lambda x, y: torch.allclose(x.float(), y.float(), atol=tol, rtol=tol)
+                lambda x, y: first_difference(x, y, atol=tol, rtol=tol)
         yield "draft input", f"M={M} D={D} {str(dt).removeprefix('torch.')}", build_gemm
     gamma, rank, Vm = (3, 4, 37) if dry else (4, 64, 128_256)
     for B in ((1, 2) if dry else (1, 8, 64)):
@@ -240,16 +254,17 @@ def kernel_cases(device: str, dry: bool):
             x0 = torch.randint(0, Vm, (B,), device=device, generator=g)
             u = torch.rand(B, gamma, device=device, generator=g)
             nbytes = (2 * U.numel() + W1.numel() + W2.numel()) * 4  # U read, q written, the bias tables
-            def same(x, y):
-                return torch.equal(x[0], y[0]) and torch.allclose(x[1], y[1], atol=1e-6, rtol=1e-5)
-            return (lambda: markov_sample(U, x0, W1, W2, 0.8, u)), nbytes, same
+            def differs(x, y):  # the tokens exact, q within the module's tolerance
+                return first_difference(x[0], y[0], where="tokens") or \
+                    first_difference(x[1], y[1], atol=1e-6, rtol=1e-5, where="q")
+            return (lambda: markov_sample(U, x0, W1, W2, 0.8, u)), nbytes, differs
         yield "markov sampler", f"B={B} γ={gamma} V={Vm} r={rank}", build_markov
     H, S, Dh = (2, 9, 4) if dry else (8, 1024, 128)
     for B in ((1, 2) if dry else (1, 8, 64)):
         def build_gather(B=B):
             x = torch.randn(B, H, S, Dh, device=device, generator=g).to(dt)
             order = torch.stack([torch.randperm(S, device=device, generator=g) for _ in range(B)])
-            return (lambda: gather_slots(x, order)), 2 * x.numel() * x.element_size(), torch.equal
+            return (lambda: gather_slots(x, order)), 2 * x.numel() * x.element_size(), first_difference
         yield "kv gather", f"B={B} H={H} S={S} D={Dh} {str(dt).removeprefix('torch.')}", build_gather
 
 
@@ -265,7 +280,8 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             continue
         seen.add(kernel)
         try:
-            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None)
+            row = kernel_row(build, peak, device, dry, with_triton=kernel_path is not None,
+                             dispatched=DISPATCHED[kernel])
             rows.append({"kernel": kernel, "shape": shape, **row})
         except Exception as e:  # noqa: BLE001  (one broken case must not cost the rest of the table)
             failed.append({"kernel": kernel, "shape": shape, "error": f"{type(e).__name__}: {e}",
@@ -275,19 +291,27 @@ def bench_kernels(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             "autotune": autotune_winners()}
 
 
-def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool) -> dict[str, Any]:
-    """One case: the torch reference timed, then (``with_triton``) the kernel timed and compared."""
-    call, nbytes, compare = build()
+def kernel_row(build, peak: float, device: str, dry: bool, with_triton: bool, dispatched: str) -> dict[str, Any]:
+    """One case: the torch reference timed, then (``with_triton``) the kernel timed and compared,
+    then one call under ``auto``: the path the dispatcher takes there (measured on a GPU, once per
+    shape bucket and machine; the reference off the GPU) and why."""
+    call, nbytes, difference = build()
     with use_backend("torch"):
         ref = call()
         t_ref = median_s(call, device)
     row = {"bytes": nbytes, "torch_ms": t_ref * 1e3, "torch_pct_copy_bw": 100 * nbytes / t_ref / peak}
     if with_triton:
-        with use_backend("triton"):
-            out = call()
+        with use_backend("triton"), (weak_memory() if interpreting() else contextlib.nullcontext()) as log:
+            out = call()  # in the interpreter, as a GPU orders memory: a store is seen only after a barrier
             t_ker = median_s(call, device, repeats=1 if dry else 3)
+        diff = difference(ref, out)
         row.update(triton_ms=t_ker * 1e3, triton_pct_copy_bw=100 * nbytes / t_ker / peak,
-                   speedup=t_ref / t_ker, exact=bool(compare(ref, out)))
+                   speedup=t_ref / t_ker, exact=diff is None, first_difference=diff)
+        if log is not None:  # loads of the program's own stores not behind a barrier: races on a GPU
+            row["unsynchronised_reads"] = len(log.hazards)
+    with use_backend("auto"):
+        call()
+    row["auto"], row["auto_why"] = choice.last(dispatched) or ("torch", "not dispatched")
     return row
 
 
@@ -392,18 +416,21 @@ def decode(target, drafter, prompts: list[list[int]], new_tokens: int, k: int, p
                eos_token_ids=set(), timed=target.device.type == "cuda", policy=policy)
 
 
-def warm_verifier(target, k: int) -> None:
+def warm_verifier(target, k: int, batches: tuple[int, ...] = (1,)) -> None:
     """Compile the greedy verifier's kernel for every draft count 0..k at the target's vocabulary
     before anything is timed: its ``N_POW2`` is a constexpr (one compile per next_pow2(n)), ``n``
-    is specialised at 0 and 1, and the autotuner keys on V; each would otherwise land in a timed run."""
+    is specialised at 0 and 1, and the autotuner keys on V; each would otherwise land in a timed run.
+    At each batch size too: the dispatcher times both paths at the first call of each (rows, draft
+    count) bucket (``specdec.kernels.choice``), and that must not land in a timed run either."""
     from specdec.kernels.rejection import rejection_sample
     from specdec.types import chain_parents
 
     dev, V = target.device, target.vocab_size
-    for n in range(k + 1):
-        rejection_sample(torch.zeros(1, n, dtype=torch.long, device=dev), chain_parents(n, 1, dev),
-                         torch.full((1,), n, dtype=torch.long, device=dev), torch.zeros(1, n, device=dev), None, None,
-                         logits=torch.zeros(1, n + 1, V, device=dev), temperature=torch.zeros(1, device=dev))
+    for B in batches:
+        for n in range(k + 1):
+            rejection_sample(torch.zeros(B, n, dtype=torch.long, device=dev), chain_parents(n, B, dev),
+                             torch.full((B,), n, dtype=torch.long, device=dev), torch.zeros(B, n, device=dev), None,
+                             None, logits=torch.zeros(B, n + 1, V, device=dev), temperature=torch.zeros(B, device=dev))
 
 
 def compare(ar, spec, k: int) -> dict[str, Any]:
@@ -484,7 +511,7 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
     planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0, pattern="even")  # noqa: E731
-    warm_verifier(target, k)
+    warm_verifier(target, k, f["concurrencies"])
     for c in f["concurrencies"]:
         if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 18.0):
             continue
@@ -639,6 +666,19 @@ def _f(x: Any, spec: str = ".2f") -> str:
     return "–" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
 
+def _exact(row: dict[str, Any]) -> str:
+    """The exact column: True, or the first differing element with the reference's value there."""
+    return describe_difference(row["first_difference"]).replace("|", "/") if "exact" in row else "–"
+
+
+def _auto(row: dict[str, Any]) -> str:
+    return f"{row['auto']} ({row['auto_why']})" if "auto" in row else "–"
+
+
+def _bucket(shape: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in shape.items()).replace("|", "/")
+
+
 def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
     out = [f"# GPU kit results: {env['gpu']}", "",
            f"{env['date']}; torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}"
@@ -648,13 +688,15 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
         out += ["## Kernels against their torch references", "",
                 f"Triton path: {kr['path']}. Copy bandwidth (device-to-device `copy_`, read + write): "
                 f"{kr['copy_bandwidth_GBps']:.1f} GB/s; % columns are bytes moved / time against it.", "",
-                "| kernel | shape | torch ms | torch % bw | triton ms | triton % bw | speedup | exact |",
-                "|---|---|---|---|---|---|---|---|"]
+                "`auto`: the path the dispatcher takes in that case (`specdec.kernels.choice`: the faster,"
+                " measured once per shape bucket on this GPU, or read from the cache of an earlier run).", "",
+                "| kernel | shape | torch ms | torch % bw | triton ms | triton % bw | speedup | exact | auto |",
+                "|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {r['kernel']} | {r['shape']} | {_f(r['torch_ms'], '.3f')} | {_f(r['torch_pct_copy_bw'], '.1f')} "
                 f"| {_f(r.get('triton_ms'), '.3f')} | {_f(r.get('triton_pct_copy_bw'), '.1f')} "
-                f"| {_f(r.get('speedup'))} | {r.get('exact', '–')} |" for r in kr["rows"]]
+                f"| {_f(r.get('speedup'))} | {_exact(r)} | {_auto(r)} |" for r in kr["rows"]]
         out += [f"| {r['kernel']} | {r['shape']} | failed: `{r['error'].splitlines()[0][:200].replace('|', '/')}` "
-                "| | | | | |" for r in kr.get("errors", [])]
+                "| | | | | | |" for r in kr.get("errors", [])]
         out += ["", f"Autotune winners: `{json.dumps(kr['autotune']) if kr['autotune'] else 'none (not tuned)'}`", ""]
     if "forward" in results:
         fr = results["forward"]
@@ -686,6 +728,12 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 "| part | steps | seconds | tokens | tokens/s | response tokens/s | timed |", "|---|---|---|---|---|---|---|"]
         out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
                 f"| {p['response_tokens'] / p['seconds']:.0f} | {p['what']} |" for i, p in enumerate(tr["parts"])]
+        out.append("")
+    if results.get("kernel_choices"):
+        out += ["## The path each kernel took (all sections)", "",
+                "| kernel | bucket | path | source | triton ms | torch ms |", "|---|---|---|---|---|---|"]
+        out += [f"| {c['kernel']} | {_bucket(c['shape'])} | {c['backend']} | {c['source']} | {_f(c['triton_ms'], '.3f')} "
+                f"| {_f(c['torch_ms'], '.3f')} |" for c in results["kernel_choices"]]
         out.append("")
     if results["errors"]:
         out += ["## Errors", ""] + [f"- {name}: `{e['error']}`" for name, e in results["errors"].items()] + [""]
@@ -795,6 +843,7 @@ def main() -> None:
         """After every section: a machine lost halfway still leaves what it measured (results.json
         first, and whatever the tables fail on, they do not cost it)."""
         results["wall_s"] = round(budget.elapsed(), 2)
+        results["kernel_choices"] = choice.record()  # every path auto chose on this GPU, every section
         (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         try:
             md = markdown(results, env)

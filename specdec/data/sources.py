@@ -22,6 +22,7 @@ store holds them in equal shares.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,20 @@ import torch
 
 from specdec.data.datasets import held_out, packaged_file, read_sharegpt, stdlib_files
 from specdec.data.sequences import TokenSeq, cut_prompt, held_out_seq
-from specdec.data.store import StoreItem
 from specdec.target import Target
 
-__all__ = ["SOURCE_NAMES", "store_items", "corpus_items", "sharegpt_items", "stdlib_items"]
+__all__ = ["SOURCE_NAMES", "StoreItem", "store_items", "corpus_items", "sharegpt_items", "stdlib_items"]
 
 SOURCE_NAMES = ("corpus", "sharegpt", "stdlib")
+
+
+@dataclass
+class StoreItem:
+    """One sequence to store, with the source it came from and its held-out mark (decided by the source)."""
+
+    seq: TokenSeq
+    source: int
+    held_out: bool
 
 
 def _windows(tokens: torch.Tensor, response_start: int, max_len: int) -> Iterator[TokenSeq]:

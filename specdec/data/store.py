@@ -49,11 +49,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.data.sequences import TokenSeq
+from specdec.data.sources import SOURCE_NAMES, StoreItem, store_items
+from specdec.provenance import machine
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
 from specdec.transformers_versions import output_cache
 
-__all__ = ["FORMAT", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
+__all__ = ["FORMAT", "StoreItem", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
            "target_kv", "forward_with_kv", "store_bytes_per_token", "throughput", "main"]
 
 FORMAT = "specdec-feature-store/1"
@@ -243,15 +245,6 @@ class StoredRow:
 
 
 # --- writing ----------------------------------------------------------------------------------------
-
-@dataclass
-class StoreItem:
-    """One sequence to store, with the source it came from and its held-out mark (decided by the source)."""
-
-    seq: TokenSeq
-    source: int
-    held_out: bool
-
 
 def _shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
@@ -448,7 +441,6 @@ DEFAULT_RECIPES = ("specdec.drafters.eagle3.train.Eagle3Recipe", "specdec.drafte
 def main(argv: list[str] | None = None) -> None:
     """``python -m specdec.data.store``: fill (or resume) a store from the recorded sources."""
     from specdec.data.config import TargetConfig, build_target
-    from specdec.data.sources import SOURCE_NAMES, store_items
 
     p = argparse.ArgumentParser(prog="python -m specdec.data.store", description=main.__doc__)
     p.add_argument("--out", required=True, help="the store folder (resumed if it exists)")
@@ -491,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
             if n >= a.throughput:
                 break
         rows = throughput(target, first, needs, batch_tokens=a.batch_tokens)
-        info = {"command": command, "cpu": _cpu(), "threads": torch.get_num_threads(), "layers": list(needs.layers),
+        info = {"command": command, "machine": machine(), "layers": list(needs.layers),
                 "kv_layers": list(needs.kv), "bytes_per_token": store_bytes_per_token(target, needs), "rows": rows}
         print(json.dumps(info, indent=1))
         return
@@ -500,18 +492,6 @@ def main(argv: list[str] | None = None) -> None:
                         target_hash=checkpoint_hash)
     print(f"{store.path}: {store.num_tokens:,} tokens, {len(store.sequences):,} sequences, hidden states "
           f"{list(store.layers)}, K/V layers {list(store.kv_layers)}")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

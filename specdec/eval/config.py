@@ -134,6 +134,9 @@ class RunConfig:
     threads: int = 1  # torch intra-op CPU threads (experiments/run.py sets them): one keeps timings stable on a shared CPU
     mode: str = "decode"  # one of MODES
     roofline: RooflineConfig = field(default_factory=RooflineConfig)  # mode: roofline only
+    # the checkpoints this run reads that are recorded but not committed (a fresh clone makes them
+    # first: specdec.models.unmade_checkpoints names the commands); a preset declares them
+    needs_remake: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

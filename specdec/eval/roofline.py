@@ -41,8 +41,8 @@ context and the block; FLOPs = 2 · tokens · linear parameters (LM head include
 bandwidth; compute limit = FLOPs / linear peak; the roofline is the larger. Activations are not
 counted. ``pct_of_bandwidth_limit`` = bandwidth limit / measured time.
 
-Writes ``roofline.json``, ``roofline.md``, ``roofline_time.png``, ``roofline_ratio.png``,
-``context.png`` and ``config.json`` to ``out_dir``.
+Writes the record, ``roofline.json`` and ``config.json``, to ``out_dir``; the lab renders its table
+and figures (``experiments/report.py``: ``roofline_markdown``, ``roofline_figures``).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import contextlib
 import ctypes
 import gc
 import json
-import math
 import os
 import re
 from collections.abc import Callable
@@ -64,6 +63,7 @@ from torch import Tensor, nn
 
 from specdec import few_rows
 from specdec.gqa_attention import packed_rows
+from specdec.provenance import cpu
 from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
@@ -475,16 +475,11 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-_ISA = ("avx2", "avx512f", "avx512_bf16", "amx_tile")  # what decides which BLAS kernels run (docs/roofline.md)
-
-
 def _machine(device: torch.device) -> dict[str, Any]:
     """The device, and on a CPU its model name and the vector/matrix extensions it has: CPUs that
     print the same name ran the same forward at different speeds."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-    return {"device": str(device), "cpu": cpu, "cpu_isa": [f for f in _ISA if f in flags], "cpu_count": os.cpu_count(),
+    c = cpu()
+    return {"device": str(device), "cpu": c.model, "cpu_isa": list(c.isa), "cpu_count": os.cpu_count(),
             "llc_mib": _llc_mib(), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
@@ -532,10 +527,6 @@ def run_roofline(cfg: RunConfig, out_dir: str | Path | None = None, target: Targ
     if out is not None:
         write_config(cfg, out)
         (out / "roofline.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "roofline.md").write_text(roofline_markdown(result, cfg))
-        from specdec.eval.roofline_plots import plot_all
-
-        plot_all(result, out)
     return result
 
 
@@ -580,89 +571,3 @@ def summarize(rows: list[dict]) -> list[dict]:
                     "ratio": {r["m"]: r["ratio"] for r in rs},
                     "roofline_ratio": {r["m"]: r["roofline_ratio"] for r in rs}})
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# the tables
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def _ms(seconds: float | None, fmt: str = ".1f") -> str:
-    return _f(None if seconds is None else seconds * 1e3, fmt)
-
-
-def _plan_text(plan: list[tuple[int, str]]) -> str:
-    """``[(4, packed), ..., (31, packed)]`` as "packed at 4–31 rows; F.linear elsewhere"."""
-    runs: list[list] = []
-    for rows, how in sorted(plan):
-        if runs and runs[-1][0] == how and runs[-1][2] == rows - 1:
-            runs[-1][2] = rows
-        else:
-            runs.append([how, rows, rows])
-    parts = [f"{how} at {lo}" + (f"–{hi}" if hi > lo else "") + " rows" for how, lo, hi in runs]
-    return "; ".join(parts + ["F.linear elsewhere"]) if parts else "F.linear at every row count"
-
-
-def roofline_markdown(result: dict[str, Any], cfg: RunConfig) -> str:
-    """The run as markdown: the machine's limits, t(m)/t(1) per setting, the context sweep, speedups."""
-    rc, mc = cfg.roofline, result["machine"]
-    lines = [f"target `{cfg.target.model}`, context {rc.context}, best of {rc.reps};"
-             f" {mc['cpu'] or mc['device']} ({', '.join(mc.get('cpu_isa') or []) or 'no AVX2'}), {mc['cpu_count']} cores,"
-             f" last-level cache {mc['llc_mib']} MiB", "",
-             "| threads | STREAM copy GB/s | STREAM triad GB/s | array MiB |", "|---:|---:|---:|---:|"]
-    lines += [f"| {b['threads']} | {b['copy_gb_s']:.1f} | {b['triad_gb_s']:.1f} | {b['array_mib']} |"
-              for b in result["bandwidth"]]
-    lines += ["", "| threads | dtype | F.linear GFLOP/s (n) |", "|---:|---|---:|"]
-    lines += [f"| {p['threads']} | {p['dtype']} | {p['gflop_s']:.1f} ({p['n']}) |" for p in result["compute"]]
-    ms = sorted({r["m"] for r in result["forward"]})
-    lines += ["", "One forward over m new tokens: t(1) of the chain, the share of the bandwidth limit it reaches,"
-              " and t(m)/t(1) (`roofline` rows: the same ratio of the roofline times).", "",
-              "| impl | dtype | threads | batch | mask | t(1) ms | % of BW limit at m=1 | "
-              + " | ".join(f"m={m}" for m in ms) + " |", "|---|---|---:|---:|---|---:|---:|" + "---:|" * len(ms)]
-    summary = result["summary"]
-    for i, s in enumerate(summary):
-        setting = (s["dtype"], s["threads"], s["batch"], s["mask"])
-        rows = [(s["impl"], s["ratio"], _ms(s["t1_s"]), _f(s["pct_of_bandwidth_limit_m1"], ".1f"))]
-        if i + 1 == len(summary) or setting != tuple(summary[i + 1][k] for k in ("dtype", "threads", "batch", "mask")):
-            rows.append(("roofline", s["roofline_ratio"], "-", "-"))  # after the setting's last impl
-        for name, ratio, t1, pct in rows:
-            lines.append(f"| {name} | {s['dtype']} | {s['threads']} | {s['batch']} | {s['mask']} | {t1} | {pct} | "
-                         + " | ".join(_f(ratio.get(m), ".2f") for m in ms) + " |")
-    if result["skipped"]:
-        lines += ["", f"Skipped: {len(result['skipped'])} points ({result['skipped'][0]['why']})."]
-    for f in result.get("few_rows", []):
-        for p in f["plans"]:
-            lines += ["", f"Few-row products of the library's {f['dtype']} linear layers, {p['threads']} thread(s)"
-                      f" (specdec.few_rows; packed copies hold {f['packed_mib']:.0f} MiB): {_plan_text(p['plan'])}."]
-    if result["context"]:
-        kind = result["context"][0]["memory"] or "not measured"
-        lines += ["", f"Against context (batch 1, {rc.threads[0]} thread(s), {cfg.target.dtype}); peak memory above"
-                  f" the memory in use before the prefill, {kind}; the decode peak holds the KV cache."
-                  " Tensor MiB: the tensors' own peak (allocations counted by the profiler, the same on every"
-                  " run); held: what the prefill leaves allocated.", "",
-                  "| context | impl | m | step ms | BW limit ms | % of BW limit | prefill s | prefill peak MiB"
-                  " | decode peak MiB | prefill tensor MiB | held tensor MiB | decode tensor MiB | KV MiB |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in result["context"]:
-            lines.append(f"| {r['context']} | {r['impl']} | {r['m']} | {r['time_s'] * 1e3:.1f}"
-                         f" | {_ms(r.get('bandwidth_limit_s'))} | {_f(r.get('pct_of_bandwidth_limit'), '.1f')}"
-                         f" | {r['prefill_s']:.2f} | {_f(r['prefill_peak_mib'], '.0f')}"
-                         f" | {_f(r['decode_peak_mib'], '.0f')} | {_f(r.get('prefill_tensor_mib'), '.0f')}"
-                         f" | {_f(r.get('held_tensor_mib'), '.0f')} | {_f(r.get('decode_tensor_mib'), '.0f')}"
-                         f" | {r['kv_mib']:.0f} |")
-    if result["speedup"]:
-        lines += ["", f"Speculative decoding against context (dataset `{cfg.dataset.name}`, {cfg.dataset.output_len}"
-                  " new tokens; speedups over `ar` of the same context):", "",
-                  "| context | method | k | prompt tokens | mean acc. len | speedup | decode speedup | decode ms/token"
-                  " | verify ms/step | draft ms/step | identical to ar |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in result["speedup"]:
-            same = "-" if r["identical_to_baseline"] is None else f"{r['identical_to_baseline']}/{r['requests']}"
-            lines.append(f"| {r['context']} | {r['method']} | {r['k'] or '-'} | {r['prompt_tokens']:.0f}"
-                         f" | {_f(r['mean_accepted_length'], '.2f')} | {_f(r['speedup'], '.2f')}"
-                         f" | {_f(r['decode_speedup'], '.2f')} | {_ms(r['decode_s_per_token'])}"
-                         f" | {_ms(r['verify_s_per_step'])} | {_ms(r['draft_s_per_step'], '.2f')} | {same} |")
-    lines += ["", "Figures: `roofline_time.png`, `roofline_ratio.png`, `context.png`."]
-    return "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
 """One experiment run: a dataset through speculative and autoregressive decoding (and, side by side,
-transformers' ``generate()`` peers) in one process, with every measurement the issue tracker asks for.
+transformers' ``generate()`` peers) in one process, with every measurement a results table reports.
 
     result = run_experiment(RunConfig(...), out_dir="runs/x")
     result.summary["spec"]["speedup"], result.summary["spec"]["predicted_speedup"]
@@ -49,14 +49,14 @@ from specdec.metrics import RequestMetrics, RunMetrics, summarize
 from specdec.registry import transformers_peer
 from specdec.timing import now
 from specdec.policy import make_policy
-from specdec.provenance import git_sha
+from specdec.provenance import git_sha, record
 from specdec.registry import drafter_class
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
 
 __all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
-           "predicted_speedup", "summary_markdown", "lossy_mark", "k_label", "by_group", "git_sha", "write_config"]
+           "predicted_speedup", "lossy_mark", "k_label", "by_group", "git_sha", "write_config"]
 
 
 def build_drafter(cfg: DrafterConfig, target_cfg: TargetConfig, target: Target) -> Drafter | None:
@@ -205,7 +205,8 @@ class ExperimentResult:
 
 def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Target | None = None
                    ) -> ExperimentResult:
-    """Run ``cfg``; with ``out_dir``, write config.json, requests.jsonl, summary.json and summary.md."""
+    """Run ``cfg``; with ``out_dir``, write config.json, requests.jsonl and summary.json (the lab renders
+    them: experiments/report.py)."""
     target = target if target is not None else build_target(cfg.target)
     samples = load_dataset(cfg.dataset, target.tokenizer, target.vocab_size, cfg.seed)
     if not samples:
@@ -436,21 +437,12 @@ def divergences(target: Target, records: list[dict], prompts: dict[tuple[str, in
 # output files
 
 def write_config(cfg: RunConfig, out: Path) -> None:
-    """``config.json``: what ran (the config, the command, git SHA, versions, the machine: CPU model,
-    torch threads, dtype, and the date), in every run folder: what a results table is rendered with."""
+    """``config.json``: what ran (the config and its :func:`specdec.provenance.record`: the command,
+    git SHA and dirty flag, versions, the machine: CPU model and extensions, GPU, torch threads,
+    dtype, and the date), in every run folder: what a results table is rendered with."""
     out.mkdir(parents=True, exist_ok=True)
-    import time
-
-    import transformers
-
-    from specdec.few_rows import cpu_model
-    from specdec.provenance import command_line
-
-    gpu = torch.cuda.get_device_name() if cfg.target.device_map and torch.cuda.is_available() else None
-    meta = {"config": asdict(cfg), "command": command_line(), "git_sha": git_sha(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-            "machine": {"cpu": cpu_model(), "gpu": gpu, "threads": torch.get_num_threads(), "dtype": cfg.target.dtype},
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    on_gpu = bool(cfg.target.device_map) and torch.cuda.is_available()
+    meta = {"config": asdict(cfg), **record(cfg.target.dtype, on_gpu=on_gpu), "torch_threads": torch.get_num_threads()}
     (out / "config.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
 
@@ -460,19 +452,6 @@ def write_outputs(result: ExperimentResult, out: Path) -> None:
         for r in result.records:
             f.write(json.dumps(r) + "\n")
     (out / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
-    (out / "summary.md").write_text(summary_markdown(result.summary, result.config))
-
-
-def _describe(cfg: RunConfig) -> str:
-    """One line naming what a run measured."""
-    d, t = cfg.dataset, cfg.target
-    opts = f" {cfg.drafter.options}" if cfg.drafter.options else ""
-    methods = f", methods {', '.join(f'`{m}`' for m in cfg.methods)}" if cfg.methods else ""
-    policy = f" ({cfg.policy} policy)" if cfg.policy != "fixed" else ""
-    repeats = f" x {d.repeats}" if d.repeats > 1 else ""
-    return (f"target `{t.model}` ({t.dtype}), drafter `{cfg.drafter.name or 'none'}`{opts}{methods},"
-            f" verifier `{cfg.verifier.name}`, k = {cfg.num_speculative_tokens}{policy}, concurrency = {cfg.concurrency},"
-            f" dataset `{d.name}` ({d.num_prompts} prompts{repeats}), temperature {cfg.sampling.temperature}, seed {cfg.seed}")
 
 
 def k_label(s: dict) -> str:
@@ -486,73 +465,3 @@ def lossy_mark(s: dict) -> str:
     """" (lossy)" after a method whose verifier changes the target's distribution, wherever results
     are read (tables, plot legends); summaries written before the field existed count as lossless."""
     return "" if s.get("lossless", True) else " (lossy)"
-
-
-def summary_markdown(summary: dict[str, dict], cfg: RunConfig | None = None) -> str:
-    """The summary as markdown tables: throughput, latency and speedups; drafting (acceptance per
-    position, drafts per step, draft cost); the loop's time split; outputs that differ."""
-    lines = [_describe(cfg), ""] if cfg is not None else []
-    hf = any("identical_to_hf_generate" in s for s in summary.values())
-    lines += ["| method | drafter | k | requests | new tokens | wall s | tok/s | TTFT ms | TPOT ms | latency mean s"
-              " | latency p90 s | speedup | decode speedup | predicted | mean acc. len | identical to baseline |"
-              + (" speedup vs hf_generate | identical to hf_generate |" if hf else ""),
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-              + ("---:|---:|" if hf else "")]
-
-    def f(x: Any, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    for name, s in summary.items():
-        ident = f"{s['identical_to_baseline']}/{s['requests']} ({s['baseline']})" if "baseline" in s else "-"
-        lines.append(
-            f"| {name}{lossy_mark(s)} | {s['drafter'] or '-'} | {k_label(s)} | {s['requests']} | {s['new_tokens']}"
-            f" | {s['wall_s']:.2f} | {s['tokens_per_s']:.1f} | {s['ttft_mean_s'] * 1e3:.1f}"
-            f" | {s['tpot_mean_s'] * 1e3:.1f} | {s['latency_mean_s']:.2f} | {s['latency_p90_s']:.2f}"
-            f" | {f(s.get('speedup'), '.2f')} | {f(s.get('decode_speedup'), '.2f')}"
-            f" | {f(s.get('predicted_speedup'), '.2f')} | {f(s.get('mean_accepted_length'), '.2f')} | {ident} |"
-            + (f" {s['speedup_vs_hf_generate']:.2f} | {s['identical_to_hf_generate']}/{s['requests']} |" if hf else ""))
-    grouped = {n: s for n, s in summary.items() if "by_group" in s and "baseline" in s}
-    if grouped:
-        groups = list(next(iter(grouped.values()))["by_group"])
-        lines += ["", "Per group (category; \"pass 2\": the same prompts asked again): mean accepted length,"
-                  " and latency speedup over the baseline (summed latencies):", "",
-                  "| group | " + " | ".join(f"{n} acc. len | {n} speedup" for n in grouped) + " |",
-                  "|---|" + "---:|---:|" * len(grouped)]
-        for g in groups:
-            cells = [(s["by_group"].get(g, {}).get("mean_accepted_length"), s["by_group"].get(g, {}).get("latency_speedup"))
-                     for s in grouped.values()]
-            lines.append(f"| {g} | " + " | ".join(f"{f(a, '.2f')} | {f(x, '.2f')}" for a, x in cells) + " |")
-    loop = {n: s for n, s in summary.items() if "prefill_s" in s}
-    drafting = {n: s for n, s in loop.items() if s.get("acceptance_at")}
-    if drafting:
-        lines += ["", "Drafting (acceptance at a position: given the row drafted that deep):", "",
-                  "| method | mean acc. len | acceptance per position | acceptance rate | drafted / step"
-                  " | draft ms / step | draft cost / token (x target step) |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
-        for name, s in drafting.items():
-            lines.append(f"| {name} | {s['mean_accepted_length']:.2f} | "
-                         + " ".join(f"{a:.2f}" for a in s["acceptance_at"])
-                         + f" | {s['acceptance_rate']:.2f} | {s['drafted_per_step']:.1f}"
-                         f" | {s['draft_s_per_step'] * 1e3:.2f} | {f(s.get('draft_cost_vs_target_step'), '.3f')} |")
-    if loop:
-        lines += ["", "Time split of this library's loop (share of wall time):", "",
-                  "| method | prefill | draft | target | verify | loop overhead | draft ms/step | verify ms/step |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for name, s in loop.items():
-            w = s["wall_s"] or 1.0
-            lines.append(f"| {name} | {s['prefill_s'] / w:.1%} | {s['draft_s'] / w:.1%} | {s['target_s'] / w:.1%}"
-                         f" | {s['verify_s'] / w:.1%} | {s['other_s'] / w:.1%} | {s['draft_s_per_step'] * 1e3:.2f}"
-                         f" | {s['verify_s_per_step'] * 1e3:.2f} |")
-    differ = [(n, s["baseline"], d) for n, s in summary.items() for d in s.get("divergences", [])]
-    if differ:
-        lines += ["", "Outputs that differ from the baseline (first differing position; the target's top-2 logits"
-                  " there, after the baseline's tokens: a tiny gap is a numerical near-tie):", ""]
-        for name, base, d in differ:
-            head = f"- {name}, request {d['request']}, position {d['position']}"
-            if "top2_logits" not in d:
-                lines.append(f"{head}: one output is a prefix of the other ({base})")
-                continue
-            hi, lo = d["top2_logits"]
-            lines.append(f"{head}: got {d['got']}, {base} {d['want']}; top-2 {d['top2_ids']}"
-                         f" logits {hi:.5f} / {lo:.5f} (gap {hi - lo:.2e})")
-    return "\n".join(lines) + "\n"

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from specdec.kernels.dispatch import backend_for
+from specdec.kernels import choice
+from specdec.kernels.choice import pow2
 
 __all__ = ["gather_slots", "gather_slots_reference"]
 
@@ -25,11 +26,14 @@ def gather_slots_reference(x: Tensor, order: Tensor) -> Tensor:
 
 
 def gather_slots(x: Tensor, order: Tensor) -> Tensor:
-    """``out[b, h, s] = x[b, h, order[b, s]]``; a Triton copy kernel on a GPU."""
+    """``out[b, h, s] = x[b, h, order[b, s]]``; a Triton copy kernel on a GPU where it measured faster."""
     if x.dim() != 4 or order.dim() != 2 or order.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [B, H, S, D] and order [B, S'], got {tuple(x.shape)} and {tuple(order.shape)}")
-    if backend_for(x) == "torch":
-        return gather_slots_reference(x, order)
-    from specdec.kernels.compaction_triton import gather_slots_triton
+    def fused() -> Tensor:
+        from specdec.kernels.compaction_triton import gather_slots_triton
 
-    return gather_slots_triton(x, order)
+        return gather_slots_triton(x, order)
+
+    B, H, _, D = x.shape
+    shape = {"B": pow2(B), "H": H, "S": pow2(order.shape[1]), "D": D, "dtype": str(x.dtype).removeprefix("torch.")}
+    return choice.call("gather_slots", shape, (x,), lambda: gather_slots_reference(x, order), fused)

@@ -1,8 +1,9 @@
 """Which implementation of a kernel runs: the Triton kernel or its torch reference.
 
-``auto`` (the default) picks Triton when it is installed and the tensors live on a GPU (CUDA or
-ROCm), and the torch reference everywhere else, so the library needs no Triton on a CPU. The
-choice is overridable:
+``auto`` (the default) considers Triton when it is installed and the tensors live on a GPU (CUDA or
+ROCm), and takes the torch reference everywhere else, so the library needs no Triton on a CPU. On
+a GPU it then takes whichever of the two measured faster for that device and shape
+(:mod:`specdec.kernels.choice`). The choice is overridable:
 
 - the environment variable ``SPECDEC_KERNELS=auto|torch|triton`` (read at every call, so a test
   or a launcher script can set it late);
@@ -22,7 +23,8 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["BACKENDS", "backend_for", "use_backend", "triton_available", "interpreting", "platform"]
+__all__ = ["BACKENDS", "backend_for", "use_backend", "triton_available", "interpreting", "platform", "requested",
+           "on_gpu_device"]
 
 BACKENDS = ("auto", "torch", "triton")
 _forced: list[str] = []  # innermost use_backend() last
@@ -39,11 +41,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _requested() -> str:
+def requested() -> str:
+    """The backend asked for: the innermost :func:`use_backend`, else ``SPECDEC_KERNELS``, else ``auto``."""
     name = _forced[-1] if _forced else os.environ.get("SPECDEC_KERNELS", "auto")
     if name not in BACKENDS:
         raise ValueError(f"SPECDEC_KERNELS must be one of {BACKENDS}, got {name!r}")
     return name
+
+
+def on_gpu_device(*tensors: torch.Tensor) -> bool:
+    """True when every tensor lives on a GPU (ROCm tensors are "cuda" tensors in torch)."""
+    return all(t.is_cuda for t in tensors)
 
 
 def backend_for(*tensors: torch.Tensor) -> str:
@@ -52,8 +60,8 @@ def backend_for(*tensors: torch.Tensor) -> str:
     Forcing ``triton`` without Triton installed, or on CPU tensors outside the interpreter, is an
     error rather than a silent fallback: a forced path that does not run would hide a bug.
     """
-    name = _requested()
-    on_gpu = all(t.is_cuda for t in tensors)  # ROCm tensors are "cuda" tensors in torch
+    name = requested()
+    on_gpu = on_gpu_device(*tensors)
     if name == "torch":
         return "torch"
     if name == "auto":

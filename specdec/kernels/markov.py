@@ -30,7 +30,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from specdec.kernels.dispatch import backend_for
+from specdec.kernels import choice
+from specdec.kernels.choice import pow2
 from specdec.sampling import sample_from, warp
 
 __all__ = ["BiasFn", "ProbsFn", "markov_chain", "markov_sample", "markov_sample_reference"]
@@ -80,14 +81,17 @@ def markov_sample_reference(U: Tensor, x0: Tensor, W1: Tensor, W2: Tensor, tempe
 
 def markov_sample(U: Tensor, x0: Tensor, W1: Tensor, W2: Tensor, temperature: Tensor | float,
                   u: Tensor) -> tuple[Tensor, Tensor | None]:
-    """:func:`markov_sample_reference`, fused in one Triton kernel on a GPU."""
+    """:func:`markov_sample_reference`, fused in one Triton kernel on a GPU where that measured
+    faster (:mod:`specdec.kernels.choice`)."""
     B, G, V = U.shape
     if x0.shape != (B,) or u.shape != (B, G):
         raise ValueError(f"x0 must be [{B}] and u [{B}, {G}], got {tuple(x0.shape)} and {tuple(u.shape)}")
     if W1.dim() != 2 or W1.shape[0] != V or W2.shape != W1.shape:
         raise ValueError(f"W1 and W2 must both be [V={V}, r], got {tuple(W1.shape)} and {tuple(W2.shape)}")
-    if backend_for(U) == "torch":
-        return markov_sample_reference(U, x0, W1, W2, temperature, u)
-    from specdec.kernels.markov_triton import markov_sample_triton
+    def fused() -> tuple[Tensor, Tensor | None]:
+        from specdec.kernels.markov_triton import markov_sample_triton
 
-    return markov_sample_triton(U, x0, W1, W2, _temperature(temperature, B, U.device), u)
+        return markov_sample_triton(U, x0, W1, W2, _temperature(temperature, B, U.device), u)
+
+    return choice.call("markov", {"B": pow2(B), "G": G, "V": V, "R": W1.shape[1]}, (U,),
+                       lambda: markov_sample_reference(U, x0, W1, W2, temperature, u), fused)

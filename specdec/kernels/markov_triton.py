@@ -74,6 +74,8 @@ def _markov_kernel(
                 tl.store(q_ptr + (b * G + k) * V + offs, q, mask=msk)
                 total += tl.sum(q.to(tl.float64), 0)
                 last = tl.maximum(last, tl.max(tl.where(q > 0, offs, 0), 0))
+            # pass 3 reads q back, elements other threads stored: every store lands first
+            tl.debug_barrier()
             # pass 3: the inverse CDF, counting the entries of the CDF at or below u·total
             target = tl.load(u_ptr + b * G + k) * total
             run = tl.full((), 0.0, tl.float64)

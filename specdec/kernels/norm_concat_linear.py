@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.kernels.dispatch import backend_for
+from specdec.kernels import choice
+from specdec.kernels.choice import pow2
 
 __all__ = ["fused_norm_concat_linear", "norm_concat_linear", "norm_concat_linear_reference",
            "rms_norm_reference", "rms_norm_params"]
@@ -65,11 +66,20 @@ def norm_concat_linear(xs: Sequence[Tensor], norm_weights: Sequence[Tensor | Non
     _check(xs, norm_weights, weight)
     # the Triton kernel has no backward: anything autograd tracks (training) takes the reference
     tracked = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*xs, *norm_weights, weight))
-    if tracked or backend_for(*xs, weight) == "torch":
+    if tracked:
         return norm_concat_linear_reference(xs, norm_weights, weight, eps, bias)
-    from specdec.kernels.norm_concat_linear_triton import norm_concat_linear_triton
 
-    return norm_concat_linear_triton(xs, norm_weights, weight, eps, bias)
+    def fused() -> Tensor:
+        from specdec.kernels.norm_concat_linear_triton import norm_concat_linear_triton
+
+        return norm_concat_linear_triton(xs, norm_weights, weight, eps, bias)
+
+    rows = xs[0].numel() // max(xs[0].shape[-1], 1)
+    shape = {"M": min(pow2(rows), 256), "widths": [x.shape[-1] for x in xs], "N": weight.shape[0],
+             "norms": [w is not None for w in norm_weights], "bias": bias is not None,
+             "dtype": str(weight.dtype).removeprefix("torch.")}
+    return choice.call("norm_concat_linear", shape, (*xs, weight),
+                       lambda: norm_concat_linear_reference(xs, norm_weights, weight, eps, bias), fused)
 
 
 def fused_norm_concat_linear(a: Tensor, b: Tensor, w_a: Tensor | None, w_b: Tensor | None, weight: Tensor,

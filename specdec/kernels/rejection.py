@@ -47,7 +47,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdec.kernels.dispatch import backend_for
+from specdec.kernels import choice
+from specdec.kernels.choice import pow2
 from specdec.sampling import argmax
 from specdec.types import Verification
 
@@ -219,8 +220,9 @@ def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tens
                      temperature: Tensor | None = None) -> Verification:
     """Verify one step: give ``probs`` (warped, any sampling setting) or ``logits`` and
     ``temperature`` (no top-k / top-p), ``[B, n+1, V]`` with position 0 the root. Dispatches to
-    the Triton kernel on a GPU, else to :func:`rejection_sample_reference`, or to
-    :func:`argmax_walk` when every row is temperature-0 logits."""
+    the Triton kernel on a GPU where it measured faster (:mod:`specdec.kernels.choice`), else to
+    :func:`rejection_sample_reference`, or to :func:`argmax_walk` when every row is temperature-0
+    logits."""
     if (probs is None) == (logits is None):
         raise ValueError("give exactly one of probs and logits")
     if logits is not None and temperature is None:
@@ -232,12 +234,18 @@ def rejection_sample(tokens: Tensor, parents: Tensor, num_valid: Tensor, u: Tens
         raise ValueError(f"target scores must be [B, n+1, V] = [{B}, {n + 1}, V], got {tuple(src.shape)}")
     if q is not None and q.shape != (B, n, src.shape[-1]):
         raise ValueError(f"q shape {tuple(q.shape)} != {(B, n, src.shape[-1])}")
-    if backend_for(src) == "torch":
+    def reference() -> Verification:
         if logits is not None and temperature is not None and not bool((temperature > 0).any()):
             return argmax_walk(tokens, parents, num_valid, logits)  # the same walk, without the vocabulary passes
         return rejection_sample_reference(tokens, parents, num_valid, u, noise, q, probs=probs, logits=logits,
                                           temperature=temperature)
-    from specdec.kernels.rejection_triton import rejection_sample_triton
 
-    return rejection_sample_triton(tokens, parents, num_valid, u, noise, q, probs=probs, logits=logits,
-                                   temperature=temperature)
+    def fused() -> Verification:
+        from specdec.kernels.rejection_triton import rejection_sample_triton
+
+        return rejection_sample_triton(tokens, parents, num_valid, u, noise, q, probs=probs, logits=logits,
+                                       temperature=temperature)
+
+    shape = {"B": pow2(B), "n": pow2(n), "V": src.shape[-1], "scores": "probs" if probs is not None else "logits",
+             "q": q is not None, "noise": noise is not None}
+    return choice.call("rejection", shape, (src,), reference, fused)

@@ -190,6 +190,9 @@ def _rejection_kernel(
                             R = _base_tile(scratch, in_scratch, pos_row, offs, msk, t, greedy, m, amax, FROM_LOGITS)
                             res = _residual_tile(R, q_row, j, V, mass, x, offs, msk, HAS_Q)
                             tl.store(scratch + offs, res, mask=msk)
+                        # every thread's part of the residual lands before any thread reads it
+                        # back: the next node's scalar p(x) is an element another thread stored
+                        tl.debug_barrier()
                         in_scratch = tl.full((), 1, tl.int32)
                         mass = rmass
                 else:

@@ -25,7 +25,7 @@ from specdec import SamplingParams
 from specdec.loop import Request, run
 from specdec.policy import AdaptivePolicy, StepCosts
 from specdec.registry import verifier_class
-from specdec.testing import Recording, assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
+from specdec.testing.tools import Recording, assert_greedy_equivalent, greedy_reference, q_contract, sampled_gof
 from specdec.verifiers import GreedyVerifier, RejectionVerifier, TypicalVerifier
 
 

@@ -207,7 +207,7 @@ def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float,
     return slope, 10 ** decades if decades < 300 else math.inf  # a near-flat rise: past any float
 
 
-AIM_MAL = 2.5  # the aim: mean accepted length at the best k
+AIM_MAL = 2.5  # the aimed mean accepted length at the best k (the report estimates the tokens to reach it)
 BEYOND = 1e15  # tokens past which an extrapolation names no data set that exists (the papers train on 1e7-1e8)
 
 
@@ -376,15 +376,9 @@ def _git_sha() -> str:
 
 
 def _machine() -> str:
-    import platform
+    from specdec.provenance import cpu_model
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, one torch thread per job (threads=1), the machine shared with other jobs"
+    return f"{cpu_model()}, one torch thread per job (threads=1), the machine shared with other jobs"
 
 
 def _today() -> str:
