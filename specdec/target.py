@@ -46,6 +46,7 @@ from specdec.few_rows import PACK_BUDGET, Plan, autotune, few_rows, install, pla
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
+from specdec.transformers_versions import CACHE_ARG, cache_kwargs
 from specdec.types import Requirements, chain_parents, padded_ids
 from specdec.validate import as_int
 
@@ -398,9 +399,13 @@ class Target:
                 input_ids=tokens.to(self.device),
                 attention_mask=plan.attention_mask,
                 position_ids=plan.position_ids,
-                cache=self.kv_cache(session.cache),
+                **cache_kwargs(self.kv_cache(session.cache)),
                 use_cache=True,
             )
+            if session.cache.block_writes == 0:
+                raise RuntimeError(
+                    f"{type(self.decoder).__name__} wrote no K/V into the store: its forward does not take the "
+                    f"cache as {CACHE_ARG}= (see specdec.transformers_versions), so it attended to this block alone")
             h = out.last_hidden_state
             if logits_rows is not None:
                 h = h.gather(1, logits_rows.to(self.device).unsqueeze(-1).expand(-1, -1, h.shape[-1]))

@@ -10,6 +10,7 @@ from torch.overrides import TorchFunctionMode
 
 from specdec import few_rows as fr
 from specdec.few_rows import MARGIN, MM_ROWS, ROW_COUNTS, choose, few_rows, install, packing_available, pin, plan_for
+from specdec.transformers_versions import cache_kwargs
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed inner product")
 
@@ -249,7 +250,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, plan):
     assert used == ["mm" if fast and 3 in plan else "linear"] * linears
     calls = _Calls()
     with torch.inference_mode(), calls:
-        want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=DynamicCache()).logits[:, 4:]
+        want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), **cache_kwargs(DynamicCache())).logits[:, 4:]
     assert "mm" not in calls.names
     torch.testing.assert_close(logits, want.float(), rtol=1e-4, atol=1e-4)
 

@@ -11,12 +11,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.target import Target, layer_output_ids
 from specdec.testing.tiny import FAMILIES, tiny_model
+from specdec.transformers_versions import cache_kwargs
 from specdec.types import Requirements, chain_parents, padded_ids
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids]), cache=DynamicCache()).logits[0].float()
+        return model(input_ids=torch.tensor([ids]), **cache_kwargs(DynamicCache())).logits[0].float()
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -169,7 +170,7 @@ def test_new_layers_are_built_like_the_layer_they_imitate(family_target):
         plan = store.plan(chain_parents(3))
         mask = plan.attention_mask[spec.layer_type] if isinstance(plan.attention_mask, dict) else plan.attention_mask
         with torch.inference_mode():
-            out = layer(x, attention_mask=mask, position_ids=plan.position_ids, cache=t.kv_cache(store),
+            out = layer(x, attention_mask=mask, position_ids=plan.position_ids, **cache_kwargs(t.kv_cache(store)),
                         use_cache=True, position_embeddings=t.rotary(x, plan.position_ids, spec.layer_type))
         store.commit(torch.ones(1, 3, dtype=torch.bool))
         assert (out[0] if isinstance(out, tuple) else out).shape == x.shape

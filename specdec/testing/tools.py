@@ -27,6 +27,7 @@ from specdec.loop import Request, run
 from specdec.policy import DraftPolicy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
+from specdec.transformers_versions import CACHE_ARG, cache_kwargs
 from specdec.types import Committed, DraftProposal
 from specdec.verifier import Verifier
 
@@ -67,8 +68,11 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     cache = DynamicCache()
     ids = torch.tensor([prompt], device=model.device)
     tokens, logits = [], []
-    for _ in range(max_new_tokens):
-        step = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+    for t in range(max_new_tokens):
+        step = model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[0, -1].float()
+        if cache.get_seq_length() != len(prompt) + t:  # a cache argument the model swallowed: a wrong reference
+            raise RuntimeError(f"{type(model).__name__} did not fill the DynamicCache passed as {CACHE_ARG}= "
+                               f"(specdec.transformers_versions)")
         logits.append(step)
         tokens.append(int(step.argmax()))
         ids = torch.tensor([[tokens[-1]]], device=model.device)
