@@ -317,8 +317,18 @@ class Target:
         final hidden state [B, T, D] (``target.logits`` of it gives the target's logits)."""
         if any(not 0 <= i <= self.num_layers for i in layer_inputs):
             raise ValueError(f"hidden-state ids {list(layer_inputs)} outside [0, {self.num_layers}]")
-        out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
-        return {i: out.hidden_states[i] for i in layer_inputs}, out.last_hidden_state
+        # transformers' last hidden_states entry is taken after the final norm; id L is the norm's
+        # input, as the loop's hooks capture it, so it is read from a pre-hook on the norm.
+        pre_norm: list[Tensor] = []
+        hook = (self.final_norm.register_forward_pre_hook(lambda m, args: pre_norm.append(args[0]))
+                if self.num_layers in layer_inputs else None)
+        try:
+            out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return ({i: pre_norm[0] if i == self.num_layers else out.hidden_states[i] for i in layer_inputs},
+                out.last_hidden_state)
 
     def hidden(self, tokens: Tensor) -> Tensor:
         """The post-norm final hidden state of a cache-free forward over ``tokens`` [B, T] → [B, T, D],

@@ -127,6 +127,22 @@ def test_captured_features_are_layer_inputs(family_target):
     torch.testing.assert_close(t.final_norm(out.hidden[L]), ref[L], atol=1e-5, rtol=1e-5)
 
 
+def test_cache_free_features_agree_with_the_loops_hooks_at_every_id(family_target):
+    """``features`` serves training (the store, online featurizing) and the hooks serve decoding:
+    a drafter trained on one and run on the other must see the same tensor at every id, the last
+    layer's output (before the final norm) included."""
+    t = family_target
+    L = t.num_layers
+    ids = [3, 1, 4, 1, 5]
+    with t.capturing(Requirements(layer_inputs=(0, 1, L), final_hidden=True)):
+        out, _, _ = t.prefill(t.new_session(1), [ids])
+    with torch.inference_mode():
+        feats, final = t.features(torch.tensor([ids]), (0, 1, L))
+    for i in (0, 1, L):
+        torch.testing.assert_close(feats[i], out.hidden[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, out.final_hidden, atol=1e-5, rtol=1e-5)
+
+
 def test_layer_ids_are_checked_and_converted():
     t = Target(tiny_model("llama", vocab_size=32))
     with pytest.raises(ValueError, match="layer id 7"):
