@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from specdec.api import load_target
-from specdec.few_rows import autotune, cache_file, plan_key, plan_record
+from specdec.few_rows import autotune, cache_file, describe, plan_key, plan_record
 
 __all__ = ["main"]
 
@@ -30,8 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(args.model, threads=args.threads, pack=not args.no_pack, autotune=False)
     autotune(target.model, packed=target.pack, force=args.force)
     key = plan_key(target.model, target.pack)
-    print(json.dumps({**plan_record(target.model, packed=target.pack), "key": key, "file": str(cache_file(key))},
-                     indent=1))
+    record = plan_record(target.model, packed=target.pack)
+    print(json.dumps({**record, "key": key, "file": str(cache_file(key))}, indent=1))
+    print(f"few-row plan: {describe(record)}", file=sys.stderr)  # its age, how it was measured, why
 
 
 if __name__ == "__main__":
