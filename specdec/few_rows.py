@@ -634,7 +634,8 @@ def describe(record: Mapping[str, Any]) -> str:
     elif record.get("source") in ("cached", "measured"):
         how = "measuring conditions not recorded"
     parts = [p for p in (how, record.get("note")) if p]
-    return f"{record['source']}" + (f"; {'; '.join(parts)}" if parts else "") + f"; re-tune: {RETUNE}"
+    retune = "" if RETUNE in (record.get("note") or "") else f"; re-tune: {RETUNE}"
+    return f"{record['source']}" + (f"; {'; '.join(parts)}" if parts else "") + retune
 
 
 def plan_record(model: nn.Module, packed: bool = True) -> dict[str, Any]:

@@ -217,15 +217,16 @@ def test_the_verdict_and_the_cost_breakdown_come_from_the_same_round_and_never_d
             assert "the rounds disagree" in lines[1]
 
 
-def test_the_demo_says_it_tunes_only_when_it_does(monkeypatch, capsys):
+def test_the_demo_says_it_tunes_only_when_it_does(monkeypatch, capsys, quiet_machine):
     from specdec import few_rows as fr
 
     tuned = []
     target = SimpleNamespace(takes_row_plan=lambda: True, model=object(), pack=True, tune=lambda: tuned.append(1))
     monkeypatch.setattr(specdec, "load_target", lambda *a, **kw: target)
     say = lambda *a: print(*a)  # noqa: E731
-    for cached, said in ((None, True), ({2: "mm"}, False)):
+    for cached, load, said in ((None, 0.0, True), ({2: "mm"}, 0.0, False), (None, fr.cores_available() + 1.0, False)):
         monkeypatch.setattr(fr, "cached_plan", lambda model, packed=True: cached)
+        quiet_machine["load"] = load  # busy: autotune will not tune, so the demo does not say it does
         assert demo._load(specdec, None, say) is target
         assert ("tuning the few-row plan" in capsys.readouterr().out) is said
-    assert tuned == [1, 1]  # a cached plan is still spot-checked (Target.tune)
+    assert tuned == [1, 1, 1]  # a cached plan is still spot-checked, a busy machine told why (Target.tune)

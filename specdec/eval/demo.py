@@ -275,13 +275,15 @@ def _rounds(specdec, target, prompt: str, drafter, k: int, repeats: int, common:
 
 
 def _load(specdec, threads: int | None, say):
-    """The target, with its few-row plan tuned (said only when it is measured now, not read)."""
+    """The target, with its few-row plan tuned (said only when it is measured now: not when it is
+    read from the cache, nor on a busy machine, where it is not tuned)."""
     import torch
 
-    from specdec.few_rows import cached_plan
+    from specdec.few_rows import busy, cached_plan, other_load
 
     target = specdec.load_target(TARGET, dtype=torch.float32, threads=threads, autotune=False)
-    if target.takes_row_plan() and cached_plan(target.model, packed=target.pack) is None:
+    if (target.takes_row_plan() and cached_plan(target.model, packed=target.pack) is None
+            and not busy(torch.get_num_threads(), other_load())):  # a busy machine is not tuned on
         say("tuning the few-row plan for this machine (once: it is cached for the next runs)")
     target.tune()
     return target
