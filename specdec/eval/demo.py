@@ -252,11 +252,12 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.drafter not in names:
         recorded = smollm2_checkpoints(committed=False)
         if args.drafter in recorded:
-            from specdec.models import uncommitted_checkpoints
+            from specdec.models import remake_time, uncommitted_checkpoints
 
             command, out = uncommitted_checkpoints()[recorded[args.drafter]]
             ap.error(f"--drafter {args.drafter}: its SmolLM2 checkpoint {recorded[args.drafter]!r} is not committed"
-                     f" (size budget); make it with: {command} (it writes {out}); the demo offers: {', '.join(names)}")
+                     f" (size budget); make it, from the repository root, with: {command} (it writes {out};"
+                     f" {remake_time(recorded[args.drafter])}); the demo offers: {', '.join(names)}")
         ap.error(f"--drafter {args.drafter!r} is not offered; the demo offers: {', '.join(names)}")
 
 
