@@ -141,3 +141,15 @@ def test_a_preset_naming_an_uncommitted_checkpoint_stops_in_one_line_with_a_runn
         exe = part.split()[0]
         assert exe == python_command() and exe != "python" and ((REPO_ROOT / exe).exists() or Path(exe).exists()), part
     assert "Loading weights" not in out.stderr  # refused before the target loaded
+
+
+def test_a_runs_header_names_the_k_its_methods_draft_at_not_the_default_they_override(elsewhere):
+    spec = importlib.util.spec_from_file_location("specdec_report_ks", REPO_ROOT / "experiments" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    _describe = report.describe
+    entry = _entry()
+    native = entry.to_run_config(compose(config_name="native_mtp"))
+    assert native.num_speculative_tokens == 4 and "k = 1..6," in _describe(native)  # its jobs: k = 1..6
+    assert "k = 1, 2, 4, 8," in _describe(entry.to_run_config(compose(config_name="adaptive_k")))
+    assert "k = 8," in _describe(entry.to_run_config(compose(config_name="ngram_vs_prompt_lookup")))
