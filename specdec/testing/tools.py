@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdec.drafter import Drafter
-from specdec.loop import Request, run
+from specdec.loop import LossyVerifierWarning, Request, run
 from specdec.policy import DraftPolicy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
@@ -187,7 +188,9 @@ def q_contract(target: Target, drafter: Drafter, prompt: list[int], sampling: Sa
     rec = Recording(drafter)
     reqs = [Request(list(prompt), 1 + k, SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
                                                         seed=i)) for i in range(n_samples)]
-    run(target, rec, _FirstOnly(), reqs, k=k, eos_token_ids=set())
+    with warnings.catch_warnings():  # _FirstOnly only drives the proposals tested here: no output is read
+        warnings.simplefilter("ignore", LossyVerifierWarning)
+        run(target, rec, _FirstOnly(), reqs, k=k, eos_token_ids=set())
     prop = rec.proposals[0]
     anchors = rec.anchors
     pvalues, tests = [], []
