@@ -31,8 +31,8 @@ from specdec.target import Target
 from specdec.types import Committed, DraftProposal
 from specdec.verifier import Verifier
 
-__all__ = ["chi_square", "greedy_reference", "assert_greedy_equivalent", "sampled_gof", "q_contract",
-           "RandomDrafter", "Recording", "tree_parents"]
+__all__ = ["chi_square", "greedy_reference", "assert_greedy_equivalent", "assert_batch_independent", "sampled_gof",
+           "q_contract", "RandomDrafter", "Recording", "tree_parents"]
 
 
 def chi_square(counts: Tensor, probs: Tensor, min_expected: float = 5.0) -> float:
@@ -74,6 +74,21 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
         tokens.append(int(step.argmax()))
         ids = torch.tensor([[tokens[-1]]], device=model.device)
     return tokens, torch.stack(logits)
+
+
+def assert_batch_independent(alone: list[int], batched: list[int], row: int, batch: int) -> None:
+    """Fail, saying where and what it means, unless request ``row`` of a batch of ``batch`` gave the
+    tokens it gave alone (``alone``, ``batched``: its new tokens)."""
+    if batched == alone:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(alone, batched)) if a != b), min(len(alone), len(batched)))
+    raise AssertionError(
+        f"batch independence: request {row} of a batch of {batch} gave other tokens than the same request alone,"
+        f" from new token {i} on (alone {alone[i:i + 4]}, in the batch {batched[i:i + 4]}; {len(alone)} and"
+        f" {len(batched)} tokens in all). A row's output may not depend on the rows beside it: the drafter's"
+        " proposal or state for one row reads another row's (a reduction over the batch, a counter or cache"
+        " shared by the rows, one random stream drawn for the whole batch), so a seeded request would give"
+        " other tokens in another batch")
 
 
 def assert_greedy_equivalent(ours: list[int], ref: list[int], ref_logits: Tensor,
