@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.provenance import cpu_model
-from specdec.timing import Stopwatch
+from specdec.timing import Stopwatch, now
 
 __all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
            "choose", "plan_for", "plan_record", "plan_key", "cached_plan", "autotune", "cache_folder", "cpu_model",
@@ -552,9 +552,9 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
         chosen[key] = keep._replace(note=f"not tuned: {_busy_note(load, cores, threads)}; {keep.note}"
                                          f"; re-tune with {RETUNE} on a quiet machine")
         return keep.plan
-    start = time.perf_counter()
+    start = now()
     times = measure(model, packed=packed)
-    after = other_load(threads, time.perf_counter() - start)
+    after = other_load(threads, now() - start)
     load = max(load, after) if math.isfinite(after) else load
     wide = spread(times)
     refusal = (_busy_note(load, cores, threads) if busy(threads, after, cores)

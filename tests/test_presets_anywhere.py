@@ -153,3 +153,16 @@ def test_a_runs_header_names_the_k_its_methods_draft_at_not_the_default_they_ove
     assert native.num_speculative_tokens == 4 and "k = 1..6," in _describe(native)  # its jobs: k = 1..6
     assert "k = 1, 2, 4, 8," in _describe(entry.to_run_config(compose(config_name="adaptive_k")))
     assert "k = 8," in _describe(entry.to_run_config(compose(config_name="ngram_vs_prompt_lookup")))
+
+
+def test_preset_steps_counts_each_sweeps_jobs_and_the_steps_its_methods_decode(elsewhere):
+    """The basis of docs/experiments.md's run times: ngram_sweep's 3 k x 4 concurrencies are 12 jobs,
+    each the ngram method and the baseline over 8 MT-bench first turns, 64 new tokens, c rows a step."""
+    spec = importlib.util.spec_from_file_location("specdec_preset_steps", REPO_ROOT / "experiments" / "benchmarks" / "preset_steps.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    to_run_config = _entry().to_run_config
+    run = to_run_config(compose(config_name="ngram_sweep"))
+    per_c = {c: 2 * -(-run.dataset.num_prompts // c) * run.dataset.output_len for c in (1, 2, 4, 8)}
+    assert steps.preset_steps("ngram_sweep", to_run_config) == (12, 3 * sum(per_c.values()))
+    assert steps.preset_steps("roofline", to_run_config) == (1, None)

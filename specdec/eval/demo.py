@@ -30,7 +30,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 PROMPT = """Add type hints to this function and return the whole function, unchanged otherwise.
@@ -291,7 +290,9 @@ def _load(specdec, threads: int | None, say):
 
 
 def main(argv: list[str] | None = None) -> None:
-    started = time.perf_counter()
+    from specdec.timing import now
+
+    started = now()
     ap = parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
@@ -316,9 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # a k the drafter cannot draft, a prompt too long for the target ...
         raise SystemExit(f"specdec-demo: {e}") from None
     say(f"{args.repeats} rounds of autoregressive and speculative decoding, interleaved")
-    load_before = other_load(threads, time.perf_counter() - started)  # less our own share so far
+    load_before = other_load(threads, now() - started)  # less our own share so far
     base, spec = _rounds(specdec, target, args.prompt, drafter, k, args.repeats, common)
-    load_after = other_load(threads, time.perf_counter() - started)
+    load_after = other_load(threads, now() - started)
     cores = cores_available()
     speedups = [s.summary.tokens_per_s / b.summary.tokens_per_s if b.summary.tokens_per_s else float("nan")
                 for b, s in zip(base, spec)]
