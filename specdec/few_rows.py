@@ -542,12 +542,11 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
             chosen[key] = _Choice(plan, "cached", conditions, f"spot-checked at other load {load:.1f}: it holds")
             return plan
         retuned = f"measured again: {why}"
+        keep = _Choice(HEURISTIC, "heuristic", None, f"the cached plan no longer holds ({why}); F.linear at every row count")
     else:
         retuned = ""
-    if hit is not None and not retuned:  # forced, on a busy machine: the cached plan stays
-        keep = _Choice(hit[0], "cached", hit[1], "the cached plan kept")
-    else:  # nothing cached, or a cached plan that no longer holds
-        keep = _Choice(HEURISTIC, "heuristic", None, f"{retuned + '; ' if retuned else ''}F.linear at every row count")
+        keep = (_Choice(hit[0], "cached", hit[1], "the cached plan kept") if hit is not None  # forced
+                else _Choice(HEURISTIC, "heuristic", None, "F.linear at every row count"))
     if busy(threads, load, cores):
         chosen[key] = keep._replace(note=f"not tuned: {_busy_note(load, cores, threads)}; {keep.note}"
                                          f"; re-tune with {RETUNE} on a quiet machine")

@@ -302,3 +302,18 @@ def test_a_plan_says_how_old_it_is_and_how_it_was_measured():
     assert fr.describe(record) == ("cached; measured 3 days ago (2026-12-01T11:00:00Z), 5 repeats at other load 0.2"
                                    " on 2 cores, spread 4%; spot-checked at other load 0.1: it holds;"
                                    " re-tune: specdec-autotune --force")
+
+
+def test_a_cached_plan_that_no_longer_holds_is_not_kept_when_it_cannot_be_measured_again(cache, quiet, monkeypatch):
+    """The spot check finds the cached product slower than F.linear, but the new measurement spreads
+    too wide to trust: F.linear everywhere (not the stale plan), saying both."""
+    spreads = [0.02]
+    monkeypatch.setattr(fr, "measure", lambda model, packed=True: _times("mm", spread=spreads[0]))
+    fr.autotune(_model())
+    quiet["spot"] = lambda model, plan: {r: (3.0, 1.0) for r in plan}
+    spreads[0] = 0.6
+    model = _model()
+    assert fr.autotune(model) == fr.HEURISTIC
+    note = fr.plan_record(model)["note"]
+    assert note.startswith("not tuned: the repeats spread 60%") and "the cached plan no longer holds" in note
+    assert "3.00x F.linear's time" in note and fr.RETUNE in note
