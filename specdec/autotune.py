@@ -19,7 +19,8 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> None:
     """Tune (or, with ``--force``, re-tune) a target's few-row plan for this machine and print it with
-    the cache file, so that no later run measures."""
+    the cache file, so that no later run measures. Exit status 1 when it refused to tune (a busy
+    machine, passes that disagree): the line on stderr says why."""
     ap = argparse.ArgumentParser(prog="specdec-autotune", description=main.__doc__)
     ap.add_argument("--model", default="smollm2-135m", help="an alias or a folder (default: smollm2-135m)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: chosen from the machine)")
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     record = plan_record(target.model, packed=target.pack)
     print(json.dumps({**record, "key": key, "file": str(cache_file(key))}, indent=1))
     print(f"few-row plan: {describe(record)}", file=sys.stderr)  # its age, how it was measured, why
+    if record["note"].startswith("not tuned"):  # busy, or the passes disagreed: say so to a script too
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

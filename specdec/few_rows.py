@@ -400,8 +400,8 @@ def _conditions(load: float, cores: int, threads: int, times: Mapping[int, Mappi
 
 
 def _busy_note(load: float, cores: int, threads: int) -> str:
-    return (f"the machine is busy (other load {load:.1f} on {cores} cores, {threads} threads wanted):"
-            f" timings now would measure the contention")
+    return (f"the machine is busy (other load {load:.1f} on {cores} cores, {threads} thread{'s' if threads > 1 else ''}"
+            " wanted): timings now would measure the contention")
 
 
 @torch.inference_mode()

@@ -317,3 +317,18 @@ def test_a_cached_plan_that_no_longer_holds_is_not_kept_when_it_cannot_be_measur
     note = fr.plan_record(model)["note"]
     assert note.startswith("not tuned: the repeats spread 60%") and "the cached plan no longer holds" in note
     assert "3.00x F.linear's time" in note and fr.RETUNE in note
+
+
+def test_specdec_autotune_says_why_it_refused_and_exits_1(cache, quiet, monkeypatch, capsys, threads):
+    from specdec import autotune as command
+
+    target = specdec.Target(tiny_model("llama", vocab_size=48, seed=3))
+    monkeypatch.setattr(command, "load_target", lambda *a, **kw: target)
+    monkeypatch.setattr(fr, "measure", lambda model, packed=True: pytest.fail("measured on a busy machine"))
+    quiet["load"] = fr.cores_available() + 1.0
+    with pytest.raises(SystemExit) as e:
+        command.main(["--force"])
+    assert e.value.code == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["source"] == "heuristic"
+    assert err.startswith("few-row plan: heuristic; not tuned: the machine is busy") and fr.RETUNE in err

@@ -170,8 +170,8 @@ def load_verdict(before: float, after: float, threads: int, cores: int) -> tuple
     if not busy(threads, worst, cores):
         return None
     return "busy", (f"no verdict: the machine is busy (other load {before:.1f} before the rounds, {after:.1f} after,"
-                    f" on {cores} cores; the demo decodes with {threads} threads), so the rounds timed the other"
-                    " work as much as decoding; rerun when the machine is quieter")
+                    f" on {cores} cores; the demo decodes with {threads} thread{'s' if threads > 1 else ''}), so the rounds"
+                    " timed the other work as much as decoding; rerun when the machine is quieter")
 
 
 def costs(spec, base, outcome: str) -> list[str]:
