@@ -28,11 +28,12 @@ takes anywhere from one to several times its quiet time, and an average of such 
 drafting look cheaper than it is. So drafting's costs (the draft pass, a block wider than plain
 decoding's) are weighed at an upper confidence bound, ``caution`` standard errors of the average
 above it (:class:`Cautious`, :meth:`MeasuredCosts.noise`), plain decoding's at the estimate: noise
-moves the choice towards fewer drafts or none, never towards more. When drafting cannot pay (plain decoding, which skips the draft pass, expects
-more tokens per second than the best width with it), the policy verifies nothing (``w = 0``; that
-step's draft pass was paid, as the policy decides after it), skips the draft pass from the next
-step on (:meth:`AdaptivePolicy.skip`: the drafter only observes) and re-probes the whole draft
-after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
+moves the choice towards fewer drafts or none, never towards more. When drafting cannot pay (plain
+decoding, which skips the draft pass, expects more tokens per second than the best width with it),
+the policy verifies nothing (``w = 0``; that step's draft pass was paid, as the policy decides
+after it), skips the draft pass from the next step on (:meth:`AdaptivePolicy.skip`: the drafter
+only observes) and re-probes the whole draft after ``probe_every`` such steps, doubling the gap
+while drafting keeps not paying.
 
 :class:`PrefixPolicy` is DSpark's prefix scheduler (below :func:`schedule`): a chain's confidences
 admitted draft by draft under one budget for the batch, and a draft pass skipped altogether
