@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(spec[mid].texts[0] if spec[mid].texts else spec[mid].tokens[0])
     print("-" * 72)
-    print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {threads} threads)   drafter: {args.drafter}"
+    print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {threads} thread{'s' if threads > 1 else ''})   drafter: {args.drafter}"
           f"   temperature={args.temperature}")
     print(f"k={k}: {k_source}")
     plan = s.few_rows
