@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from specdec.eval.roofline import run_roofline
 from specdec.eval.runner import run_experiment
 from specdec.eval.config import RunConfig, check_keys
-from specdec.models import unmade_checkpoints
+from specdec.models import remake_time, unmade_checkpoints
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the report beside this runner
 from report import roofline_figures, roofline_markdown, summary_markdown  # noqa: E402
@@ -98,9 +98,14 @@ def check_made(run: RunConfig) -> None:
     """Stop before any work when the run reads a checkpoint recorded but not made here, naming the
     command that makes each (a preset lists them as ``needs_remake``)."""
     unmade = unmade_checkpoints(checkpoints_read(run))
+    if len(unmade) == 1:  # one line: the command, runnable as printed, and how long it took when recorded
+        (name, cmd), = unmade.items()
+        raise SystemExit(f"this run reads checkpoint {name!r}, recorded but not committed; make it first, from the"
+                         f" repository root, with: {cmd} ({remake_time(name)})")
     if unmade:
         raise SystemExit("this run reads checkpoints that are recorded but not committed; make them first, from"
-                         " the repository root:\n" + "\n".join(f"  {name}: {cmd}" for name, cmd in unmade.items()))
+                         " the repository root:\n" + "\n".join(f"  {name}: {cmd} ({remake_time(name)})"
+                                                             for name, cmd in unmade.items()))
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")

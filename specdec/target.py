@@ -443,7 +443,8 @@ class Target:
 
     def tune(self, force: bool = False) -> None:
         """Tune the few-row plan for this machine now (:func:`specdec.few_rows.autotune`: read from
-        the cache, else measured once and cached), so that no timed run measures."""
+        the cache and spot-checked, else measured once and cached; never on a busy machine), so
+        that no timed run measures."""
         if self.takes_row_plan():
             autotune(self.model, packed=self.pack, force=force)
 
