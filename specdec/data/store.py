@@ -99,10 +99,10 @@ def forward_with_kv(target: Target, tokens: Tensor, layers: Iterable[int], kv: I
         raise ValueError(f"hidden-state ids {list(layers)} outside [0, {target.num_layers}]")
     if any(not 0 <= i < target.num_layers for i in kv):
         raise ValueError(f"K/V layers {list(kv)} outside [0, {target.num_layers})")
-    with torch.no_grad():
+    with torch.no_grad(), target.norm_input(target.num_layers in layers) as norm_input:
         out = target.decoder(input_ids=tokens.to(target.device), output_hidden_states=bool(layers),
                              use_cache=bool(kv))
-    hidden = {i: out.hidden_states[i] for i in layers}
+    hidden = target.layer_inputs(out.hidden_states, norm_input, layers) if layers else {}
     rows = {}
     cache = output_cache(out) if kv else None
     for i in kv:
