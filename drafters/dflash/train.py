@@ -45,7 +45,7 @@ from specdec.data.store import StoreNeeds
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import (Recipe, StepOutput, batch_anchors, copy_weights, forward_kl, head_rows,
-                                     masked_mean)
+                                     masked_mean, span_positions)
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
            "target_distribution", "BlockOptions", "DFlashOptions", "BlockRecipe", "DFlashRecipe"]
@@ -63,10 +63,15 @@ class BlockBatch:
 
 
 def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]``, sorted;
+    """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]`` (0: every one), sorted;
     returns anchors [B, A] and which are real [B, A], on the batch's device (drawn on the generator's)."""
-    return batch_anchors(batch.response_start, batch.lengths, num_anchors, gen,
-                         lambda start, length: (start, length - 2), device=batch.tokens.device)  # a label after it
+    return batch_anchors(batch.response_start, batch.lengths, num_anchors, gen, anchor_span,
+                         device=batch.tokens.device)
+
+
+def anchor_span(start: Tensor, length: Tensor) -> tuple[Tensor, Tensor]:
+    """Where a block may start: in the response, with a label after it. ([B], [B])"""
+    return start, length - 2
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
@@ -141,10 +146,10 @@ def weighted_ce(p: BlockPredictions, logits: Tensor) -> Tensor:
     return masked_mean(ce, p.weight, 1e-6)
 
 
-def per_position(values: Tensor, valid: Tensor) -> list[float]:
-    """Mean of ``values`` [B, A, γ] over the valid entries, per position."""
+def per_position(values: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``values`` [B, A, γ] over the valid entries, per position. [γ], on the device"""
     v = valid.float()
-    return ((values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)).tolist()
+    return (values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)
 
 
 def target_distribution(p: BlockPredictions, batch: BlockBatch, head: Tensor) -> Tensor:
@@ -171,7 +176,7 @@ def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockB
     p_t = target_distribution(p, batch, head)
     div = forward_kl(p.logits, p_t)
     loss = masked_mean(div, p.weight, 1e-6)
-    return StepOutput(loss, {"kl": float(loss.detach()),
+    return StepOutput(loss, {"kl": loss.detach(),
                              "accept": per_position((p.logits.argmax(-1) == p_t.argmax(-1)).float(), p.valid)})
 
 
@@ -182,8 +187,8 @@ class BlockOptions:
     features: int = 3  # target layers read (evenly spaced 1..L-3)
     block: int = 8  # block size (DFlash drafts block − 1 tokens, DSpark block)
     gamma: float = 4.0  # loss decay exp(−(k−1)/γ)
-    anchors: int = 32  # anchors per sequence and step
-    eval_anchors: int = 64  # anchors per held-out sequence
+    anchors: int = 32  # anchors (blocks) per sequence and step; 0: every response position (dense)
+    eval_anchors: int = 64  # anchors per held-out sequence; 0: every one
     mask_token_id: int | None = None  # the block's filler token; None: the last id of the vocabulary
     init_std: float = 0.02
 
@@ -252,6 +257,10 @@ class BlockRecipe(Recipe):
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.target.embed(ids).float()
+
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        """One first draft per block: a block's position 1 (DFlash), its anchor (DSpark)."""
+        return span_positions(*anchor_span(response_start, lengths), self.options.anchors)
 
     def anchors(self, model: nn.Module, bb: BlockBatch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
         return sample_anchors(bb, self.options.anchors if model.training else self.options.eval_anchors, gen)

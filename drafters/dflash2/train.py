@@ -76,7 +76,7 @@ def dflash2_loss(model: DFlash2Model, embed: Embed, head: Tensor, batch: BlockBa
         sel = _weighted(forward_kl(s, t / mass.clamp(min=1e-30)), w)
         truth = p_t.argmax(-1)
     pick = cand.gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
-    metrics: dict[str, Any] = {"base": float(base.detach()), "selector": float(sel.detach()),
+    metrics: dict[str, Any] = {"base": base.detach(), "selector": sel.detach(),
                                "accept": per_position((pick == truth).float(), p.valid),
                                "accept_unary": per_position((p.logits.argmax(-1) == truth).float(), p.valid),
                                "in_top_k": per_position(present.float(), p.valid)}

@@ -57,13 +57,13 @@ def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatc
     l1 = masked_mean(tv, p.weight, 1e-6)
     accept = (1 - 0.5 * tv).clamp(0, 1)
     loss = ce_alpha * ce + l1_alpha * l1
-    metrics: dict[str, Any] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
+    metrics: dict[str, Any] = {"ce": ce.detach(), "l1": l1.detach()}
     conf_logits = model.confidence_logits(p.hidden, p.prev)
     if conf_logits is not None:
         bce = masked_mean(F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none"), p.weight,
                           1e-6)
         loss = loss + conf_alpha * bce
-        metrics["bce"] = float(bce.detach())
+        metrics["bce"] = bce.detach()
     full = p.valid.all(-1)  # blocks whose every position has a label: calibration data
     metrics["accept"] = per_position(accept.detach(), p.valid)
     return (StepOutput(loss, metrics), None if conf_logits is None else conf_logits.detach()[full],

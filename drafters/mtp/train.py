@@ -38,7 +38,7 @@ from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows, masked_mean
 from specdec.validate import as_int
 
-__all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
+__all__ = ["MTPLoss", "mtp_loss", "label_mask", "depth1_positions", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
            "JointMTPRecipe", "TINY_DEEPSEEK_V3"]
 
 # Sized so that bf16 weights (main + 2 MTP modules) stay well under 30 MB: ~8.5M parameters.
@@ -56,10 +56,10 @@ Fn = Callable[[Tensor], Tensor]
 @dataclass
 class MTPLoss:
     loss: Tensor
-    main_ce: float
-    mtp_ce: list[float]  # per depth (the KL under ``kl``)
-    main_acc: float
-    mtp_acc: list[float]  # top-1 accuracy per depth (agreement with the target's argmax under ``kl``)
+    main_ce: Tensor  # 0-d, detached, on the device (0 without a main loss)
+    mtp_ce: Tensor  # [D] per depth (the KL under ``kl``)
+    main_acc: Tensor
+    mtp_acc: Tensor  # [D] top-1 accuracy per depth (agreement with the target's argmax under ``kl``)
 
 
 def label_mask(batch: Batch) -> Tensor:
@@ -68,17 +68,17 @@ def label_mask(batch: Batch) -> Tensor:
     return (pos < batch.lengths.unsqueeze(1)) & (pos >= batch.response_start.unsqueeze(1))
 
 
-def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked mean cross-entropy and top-1 accuracy of logits [B, n, V] against labels [B, n]."""
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
-    return masked_mean(ce, mask), float(masked_mean((logits.argmax(-1) == labels).float(), mask))
+    return masked_mean(ce, mask), masked_mean((logits.argmax(-1) == labels).float(), mask).detach()
 
 
-def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked mean forward KL(p ‖ softmax(logits)) over [B, n, V], and how often the two argmaxes
     agree (what greedy verification accepts)."""
     kl = forward_kl(logits, p)
-    return masked_mean(kl, mask), float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), mask))
+    return masked_mean(kl, mask), masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), mask).detach()
 
 
 def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,
@@ -96,10 +96,10 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
     place in it (-1 outside); CE labels outside it do not count."""
     T, D = hidden.shape[1], len(modules)
     total = hidden.new_zeros((), dtype=torch.float32)
-    main_ce = main_acc = 0.0
+    main_ce = main_acc = total.detach()
     if main_logits is not None:
         ce, main_acc = _ce(main_logits[:, :-1], tokens[:, 1:], mask[:, 1:])
-        total, main_ce = total + ce, float(ce.detach())
+        total, main_ce = total + ce, ce.detach()
     if kl:  # the target's distribution after every slot, once for all depths
         with torch.no_grad():
             target_p = head(hidden).float().softmax(-1)
@@ -119,11 +119,17 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
                 m = m & (labels >= 0)
                 labels = labels.clamp(min=0)
             ce, acc = _ce(logits, labels, m)
-        ces.append(float(ce.detach()))
+        ces.append(ce.detach())
         accs.append(acc)
         total = total + lam / D * ce
         prev = normed if chain_hidden == "normed" else residual
-    return MTPLoss(total, main_ce, ces, main_acc, accs)
+    return MTPLoss(total, main_ce, torch.stack(ces), main_acc, torch.stack(accs))
+
+
+def depth1_positions(lengths: Tensor, response_start: Tensor) -> Tensor:
+    """MTP's loss positions at depth 1: every label ``t_{i+2}`` in the response (slot ``i`` reads
+    ``t_{i+1}`` and the hidden state at ``i``). [B]"""
+    return (lengths - response_start.clamp(min=2)).clamp(min=0)
 
 
 def _step_output(r: MTPLoss, joint: bool, kl: bool = False) -> StepOutput:
@@ -183,6 +189,9 @@ class PostHocMTPRecipe(Recipe):
             self.vocab_index = vocab_positions(vocab, target.vocab_size)
         return modules
 
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        return depth1_positions(lengths, response_start)
+
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleList)
         t = self.target
@@ -226,6 +235,9 @@ class JointMTPRecipe(Recipe):
         main = DeepseekV3ForCausalLM(config)
         self.tokenizer, self.seam = tok, Target(main)  # the seam of the model being trained (embed, logits, rotary)
         return nn.ModuleDict({"main": main, "mtp": build_mtp_modules(self.seam, self.options.depth).float()})
+
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        return depth1_positions(lengths, response_start)
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleDict)
