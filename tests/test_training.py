@@ -639,3 +639,26 @@ def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
     new = TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": False})
     assert _resumable(old) == _resumable(new)
     assert _resumable(old) != _resumable(TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": True}))
+
+
+def test_training_runs_torch_kernels_only_and_counts_every_loss_position(tmp_path, cache, tiny_target, monkeypatch):
+    """Triton forced on CPU tensors is an error, so a run under SPECDEC_KERNELS=triton finishes only
+    because the trainer runs torch code throughout (its held-out evaluation, under no_grad, would
+    take the fused draft input's kernel path). EAGLE-3 trains every response position: the record
+    counts them, per target token and in all, and the log's figures are read to plain numbers."""
+    from specdec.kernels.dispatch import backend_for
+
+    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError):
+        backend_for(torch.zeros(1))
+    cfg = tiny_config(tmp_path, "eagle3", options=dict(layer_ids=[0, 1, 2], draft_vocab=24))
+    rec = train(cfg, target=tiny_target).record
+    data = load_data(cfg.data, None)
+    drawn = [data.train[i] for i in data.indices(0, 4, cfg.seed)]  # 2 steps of 2 sequences
+    assert rec.positions == sum(s.tokens.numel() - 2 - max(0, s.response_start - 2) + 1 for s in drawn)
+    every = sum(s.tokens.numel() - 1 - max(0, s.response_start - 2) for s in data.train)
+    assert rec.positions_per_token == pytest.approx(every / sum(s.tokens.numel() for s in data.train), abs=1e-4)
+    logged = [e for e in rec.log if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2] and all(isinstance(e["loss"], float) for e in logged)
+    assert all(len(e["accept"]) == 7 and isinstance(e["accept"][0], float) for e in logged)
