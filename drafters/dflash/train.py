@@ -86,9 +86,12 @@ def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
 
 
 def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, anchors: Tensor,
-                  keep: Tensor) -> tuple[Tensor, Tensor]:
-    """Every anchor's block in one masked forward: final hidden [B, A, b, D] and the block
-    tokens [B, A, b] (``[x_a, MASK…]``)."""
+                  keep: Tensor, group: int = 0) -> tuple[Tensor, Tensor]:
+    """Every anchor's block: final hidden [B, A, b, D] and the block tokens [B, A, b] (``[x_a, MASK…]``).
+    The context K/V are computed once; the blocks run ``group`` at a time (0: all in one forward).
+    Blocks never see each other, so grouping changes nothing but the cost: one forward's mask is
+    [A·b, T + A·b], so attention grows with A² in one forward and with A·group in groups (every
+    response position as an anchor costs per block what 32 sampled ones do)."""
     b, (B, T), A = model.cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
     positions = (anchors.unsqueeze(-1) + torch.arange(b, device=dev)).view(B, A * b)
@@ -97,7 +100,10 @@ def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, ancho
     block = embed(block_tokens.view(B, A * b)).float()
     ctx = model.project_context(batch.features.float())
     ctx_kv = model.context_kv(ctx, torch.arange(T, device=dev).expand(B, T))
-    hidden = model(block, positions, ctx_kv, _block_mask(anchors, keep, T, b))
+    G = A if group <= 0 else group
+    hidden = torch.cat([model(block[:, g * b: (g + G) * b], positions[:, g * b: (g + G) * b], ctx_kv,
+                              _block_mask(anchors[:, g: g + G], keep[:, g: g + G], T, b))
+                        for g in range(0, A, G)], 1)
     return hidden.view(B, A, b, -1), block_tokens
 
 
@@ -115,14 +121,14 @@ class BlockPredictions:
 
 
 def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor,
-                      keep: Tensor, gamma: float = 4.0, vocab: Tensor | None = None) -> BlockPredictions:
+                      keep: Tensor, gamma: float = 4.0, vocab: Tensor | None = None, group: int = 0) -> BlockPredictions:
     """Every anchor's block in one forward, with labels. ``head`` [S, D] holds the target's LM-head
     rows of the training vocabulary ``vocab`` [S] (token ids; None: ``head`` is the whole
     vocabulary). Labels outside the vocabulary are left out of the loss."""
     cfg = model.cfg
     b, (B, T), A = cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
-    hidden, block_tokens = block_forward(model, embed, batch, anchors, keep)
+    hidden, block_tokens = block_forward(model, embed, batch, anchors, keep, group)
     first = 0 if cfg.anchor_predicts else 1  # which block positions draft
     h = hidden[:, :, first:]
     n_draft = b - first
@@ -164,12 +170,12 @@ def target_distribution(p: BlockPredictions, batch: BlockBatch, head: Tensor) ->
 
 
 def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
-               gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False) -> StepOutput:
+               gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False, group: int = 0) -> StepOutput:
     """The DFlash loss over all anchors at once: weighted CE against the sequence's tokens, or with
     ``kl`` forward KL to the target's own distribution there (the sampled answers of a corpus then
     teach the distribution, not one draw of it). ``accept``: the top-1 match rate per position, with
     the sequence's token (CE) or with the target's argmax (KL: what greedy verification accepts)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     if not kl:
         ce = weighted_ce(p, p.logits)
         return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
@@ -189,6 +195,7 @@ class BlockOptions:
     gamma: float = 4.0  # loss decay exp(−(k−1)/γ)
     anchors: int = 32  # anchors (blocks) per sequence and step; 0: every response position (dense)
     eval_anchors: int = 64  # anchors per held-out sequence; 0: every one
+    group: int = 32  # blocks per forward (attention grows with anchors × group); 0: all in one
     mask_token_id: int | None = None  # the block's filler token; None: the last id of the vocabulary
     init_std: float = 0.02
 
@@ -304,4 +311,4 @@ class DFlashRecipe(BlockRecipe):
         bb = self.block_batch(batch)
         anchors, keep = self.anchors(model, bb, gen)
         return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
-                          kl=self.options.loss == "kl")
+                          kl=self.options.loss == "kl", group=self.options.group)

@@ -53,9 +53,9 @@ def _weighted(values: Tensor, weight: Tensor) -> Tensor:
 
 def dflash2_loss(model: DFlash2Model, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
                  gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False,
-                 selector_weight: float = 1.0) -> StepOutput:
+                 selector_weight: float = 1.0, group: int = 0) -> StepOutput:
     """DFlash's loss plus the selector's over all anchors at once (see the module docstring)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     p_t = target_distribution(p, batch, head) if kl else None
     base = _weighted(forward_kl(p.logits, p_t), p.weight) if p_t is not None else weighted_ce(p, p.logits)
     K = min(model.cfg.selector_top_k, p.logits.shape[-1])
@@ -118,4 +118,5 @@ class DFlash2Recipe(DFlashRecipe):
         bb = self.block_batch(batch)
         anchors, keep = self.anchors(model, bb, gen)
         return dflash2_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
-                            kl=self.options.loss == "kl", selector_weight=self.options.selector_weight)
+                            kl=self.options.loss == "kl", selector_weight=self.options.selector_weight,
+                            group=self.options.group)

@@ -42,11 +42,11 @@ __all__ = ["dspark_loss", "DSparkOptions", "DSparkRecipe"]
 
 def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
                 gamma: float = 4.0, vocab: Tensor | None = None, ce_alpha: float = 0.1, l1_alpha: float = 0.9,
-                conf_alpha: float = 1.0) -> tuple[StepOutput, Tensor | None, Tensor]:
+                conf_alpha: float = 1.0, group: int = 0) -> tuple[StepOutput, Tensor | None, Tensor]:
     """The DSpark loss over all anchors at once; ``accept`` is the mean soft acceptance per position.
     Also returns, for calibration, the confidence logits and realised acceptances of the blocks
     whose every position has a label ([N, γ] each, detached; logits None without a confidence head)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     logits = p.logits
     bias = model.draft_bias(p.prev, p.hidden, vocab)
     if bias is not None:
@@ -92,7 +92,8 @@ class DSparkRecipe(BlockRecipe):
         assert isinstance(model, DSparkModel)
         bb = self.block_batch(batch)
         anchors, keep = self.anchors(model, bb, gen)
-        return dspark_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab)
+        return dspark_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
+                           group=self.options.group)
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         return self._loss(model, batch, gen)[0]

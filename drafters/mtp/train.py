@@ -70,7 +70,8 @@ def label_mask(batch: Batch) -> Tensor:
 
 def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked mean cross-entropy and top-1 accuracy of logits [B, n, V] against labels [B, n]."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
+    logits = logits.float()  # one copy for the loss and the argmax (a bf16 argmax is the slower on a CPU)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
     return masked_mean(ce, mask), masked_mean((logits.argmax(-1) == labels).float(), mask).detach()
 
 

@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--use", type=int, default=48)
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--set", nargs="*", default=[], help="Hydra overrides for the after side only (options.anchors=0)")
     args = ap.parse_args()
     rows = []
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -83,7 +84,7 @@ def main() -> None:
         row = {"recipe": family}
         for side, tree in (("before", args.before), ("after", ROOT)):
             out = (args.out / f"{family}-{side}").resolve()
-            cmd = command(tree, family, args, out)
+            cmd = command(tree, family, args, out) + (args.set if side == "after" else [])
             corpus = ["data.path=" + str(ROOT / "experiments/data/smollm2-135m")]
             run = subprocess.run(cmd + corpus, cwd=tree, env=env, check=True, capture_output=True, text=True)
             part = json.loads([ln for ln in run.stdout.splitlines() if ln.startswith("PART ")][-1][5:])
