@@ -78,10 +78,10 @@ def test_batched_ttt_at_sampled_anchors_equals_the_per_sequence_loss(setup):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_block_mask_equals_the_dense_sdpa_mask(setup):
-    """flex_attention's block mask and SDPA's dense boolean mask give the same TTT (forward: flex has
-    no CPU backward), densely and at sampled anchors; the dense mask is the causal context plus the
-    diagonal of each step."""
+def test_flex_attention_block_mask_and_split_attention_equal_the_dense_sdpa_mask(setup):
+    """flex_attention's block mask, SDPA's dense boolean mask and the split context/diagonal scores
+    give the same TTT (forward: flex has no CPU backward), densely and at sampled anchors; the dense
+    mask is the causal context plus the diagonal of each step. The split path's gradients equal SDPA's."""
     target, model, batch, head = setup
     allowed = ttt_keys_allowed(torch.arange(4).unsqueeze(0), 4, 3)[0]
     assert allowed.int().tolist() == [[1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0], [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
@@ -91,7 +91,12 @@ def test_flex_attention_block_mask_equals_the_dense_sdpa_mask(setup):
     with torch.no_grad():
         for sl, kp in ((None, None), (slots, keep)):
             dense = batched_ttt_loss(model, target.embed, head, model.t2d, batch, sl, STEPS, attention="sdpa", keep=kp)
-            flex = batched_ttt_loss(model, target.embed, head, model.t2d, batch, sl, STEPS, attention="flex", keep=kp)
-            torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-5, atol=1e-6)
-            for a, b in zip(flex.logits, dense.logits):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            for other in ("flex", "split"):
+                r = batched_ttt_loss(model, target.embed, head, model.t2d, batch, sl, STEPS, attention=other, keep=kp)
+                torch.testing.assert_close(r.loss, dense.loss, rtol=1e-5, atol=1e-6)
+                for a, b in zip(r.logits, dense.logits):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    split = batched_ttt_loss(model, target.embed, head, model.t2d, batch, slots, STEPS, attention="split", keep=keep)
+    dense = batched_ttt_loss(model, target.embed, head, model.t2d, batch, slots, STEPS, attention="sdpa", keep=keep)
+    for a, b in zip(_grads(model, split.loss), _grads(model, dense.loss)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))

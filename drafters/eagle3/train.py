@@ -163,6 +163,27 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, slots: Tensor, n_ctx: int) 
     return fn(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def split_attention(q: Tensor, k0: Tensor, v0: Tensor, diag_k: list[Tensor], diag_v: list[Tensor],
+                    ctx_allowed: Tensor) -> Tensor:
+    """:func:`ttt_keys_allowed`'s attention computed by its structure: scores against the context
+    keys under the causal mask, plus one score per earlier step against the query's own diagonal
+    key, softmaxed together. [Q, N] + s scores per query instead of the dense mask's [Q, N + s·Q].
+    q [B, H, Q, hd], k0/v0 [B, Hkv, N, hd], diag_k/diag_v s × [B, Hkv, Q, hd], ctx_allowed [R, Q, N]
+    → [B, H, Q, hd]."""
+    B, H, Q, hd = q.shape
+    Hkv = k0.shape[1]
+    qg = q.view(B, Hkv, H // Hkv, Q, hd) * hd ** -0.5  # each KV head serves a group of query heads
+    ctx = (qg @ k0.to(q.dtype).unsqueeze(2).transpose(-1, -2)).float()  # [B, Hkv, g, Q, N]
+    ctx = ctx.masked_fill(~ctx_allowed.view(-1, 1, 1, Q, ctx.shape[-1]), float("-inf"))
+    diag = [(qg * k.to(q.dtype).unsqueeze(2)).sum(-1, keepdim=True).float() for k in diag_k]  # s × [B, Hkv, g, Q, 1]
+    p = torch.cat([ctx, *diag], -1).softmax(-1)
+    N = ctx.shape[-1]
+    out = p[..., :N].to(q.dtype) @ v0.to(q.dtype).unsqueeze(2)
+    for r, v in enumerate(diag_v):
+        out = out + p[..., N + r: N + r + 1].to(q.dtype) * v.to(q.dtype).unsqueeze(2)
+    return out.view(B, H, Q, hd)
+
+
 @dataclass
 class BatchTTT:
     loss: Tensor  # Σ_s decay^s · (per-row mean CE at step s), averaged over the rows
@@ -182,7 +203,8 @@ def batched_ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: 
     loss and figures then equal :func:`ttt_loss` per row at those anchors (``keep`` [B, A] marks
     the real ones where a row has fewer). ``attention``: ``sdpa``
     (one dense boolean mask per batch shape, any device) or ``flex`` (``flex_attention``'s block
-    mask; compiled on CUDA). Nothing is read back to the host."""
+    mask; compiled on CUDA) or ``split`` (:func:`split_attention`: the same attention by its
+    structure, no mask over the diagonal blocks). Nothing is read back to the host."""
     tokens, lengths, start = batch.tokens, batch.lengths, batch.response_start
     B, T = tokens.shape
     N, dt, dev = T - 1, model.fc.weight.dtype, tokens.device
@@ -201,6 +223,7 @@ def batched_ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: 
         res = res0.gather(1, anchors.unsqueeze(-1).expand(-1, -1, res0.shape[-1]))
     Q = anchors.shape[1]
     allowed = ttt_keys_allowed(anchors, N, steps).unsqueeze(1) if attention == "sdpa" else None  # [R, 1, Q, S]
+    ctx_allowed = torch.arange(N, device=dev) <= anchors.unsqueeze(-1) if attention == "split" else None
     with torch.no_grad():  # the target's distribution at every position, once for all steps
         z_all = F.linear(batch.features["final"].to(head.dtype), head).float()  # [B, T, Vd]
         p_all = z_all.softmax(-1)
@@ -219,10 +242,12 @@ def batched_ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: 
             q, k, v, res = layer.qkv(emb, g, cos, sin)
             keys.append(k)
             values.append(v)
-        kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
-        if attention == "flex":
-            attn = _flex_attention(q, kk, vv, anchors, N)
+        if attention == "split":
+            attn = split_attention(q, k0, v0, keys[1:], values[1:], ctx_allowed)
+        elif attention == "flex":
+            attn = _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), anchors, N)
         else:
+            kk, vv = torch.cat(keys, 2), torch.cat(values, 2)
             attn = attend(q, kk, vv, allowed[..., : N + s * Q].squeeze(1).expand(B, -1, -1))
         y = layer.finish(attn, res)
         logits = model.lm_head(model.norm(y)).float()  # [B, Q, Vd]
@@ -238,7 +263,9 @@ def batched_ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: 
         ce = -(p * logits.log_softmax(-1)).sum(-1)  # [B, Q]
         n = valid.sum(1)
         total = total + decay ** s * ((ce * valid).sum(1) / n.clamp(min=1)).mean()
-        match = (logits.argmax(-1) == z_arg.gather(1, safe)) & valid
+        # right: the target's argmax scores highest (argmax up to exact ties; a max is the cheaper pass)
+        match = (logits.gather(-1, z_arg.gather(1, safe).unsqueeze(-1)) >= logits.amax(-1, keepdim=True)).squeeze(-1)
+        match = match & valid
         alive = match if alive is None else alive & match
         correct.append(match.sum())
         counted.append(n.sum())
@@ -253,7 +280,9 @@ class Eagle3Options:
     ttt_steps: int = 7  # training-time-test depth
     anchors: int = 0  # TTT anchors per sequence: 0 every response position (dense); N: N sampled ones
     eval_anchors: int = 0  # the same for held-out sequences
-    attention: str = "sdpa"  # "sdpa": a dense boolean mask per batch shape; "flex": flex_attention's block mask
+    # "split": context and diagonal scores apart (the fastest measured on a CPU); "sdpa": SDPA with a
+    # dense boolean mask per batch shape; "flex": flex_attention's block mask (compiled on CUDA)
+    attention: str = "split"
     decay: float = 0.8  # step s weighs decay**s
     layer_ids: list[int] | None = None  # target layer inputs fused; None: EAGLE-3's (2, L//2, L-3)
     verifier: str = ""  # the target as the speculators config names it (a hub id or a path)
@@ -261,8 +290,8 @@ class Eagle3Options:
     norm_output: bool = False  # EAGLE-3.1: each TTT step (and draft step) reads the previous one's norm(y)
 
     def __post_init__(self) -> None:
-        if self.attention not in ("sdpa", "flex"):
-            raise ValueError(f"attention must be 'sdpa' or 'flex', got {self.attention!r}")
+        if self.attention not in ("split", "sdpa", "flex"):
+            raise ValueError(f"attention must be 'split', 'sdpa' or 'flex', got {self.attention!r}")
         if self.anchors < 0 or self.eval_anchors < 0 or self.ttt_steps < 1:
             raise ValueError("anchors and eval_anchors must be >= 0 (0: every position), ttt_steps >= 1")
 
@@ -312,12 +341,10 @@ class Eagle3Recipe(Recipe):
         assert isinstance(model, Eagle3Model)
         o = self.options
         n = o.anchors if model.training else o.eval_anchors
-        slots = keep = None
-        if n:  # the sampled-anchor option: n slots per row (padding rows repeat slot 0, never counted)
-            slots, keep = batch_anchors(batch.response_start, batch.lengths, n, gen, self._span,
-                                        device=batch.tokens.device)
+        # every slot of each row's response range (n = 0), or n sampled ones; padding marked by keep
+        slots, keep = batch_anchors(batch.response_start, batch.lengths, n, gen, self._span, device=batch.tokens.device)
         r = batched_ttt_loss(model, lambda ids: self.target.embed(ids).float(), self.head, model.t2d, batch, slots,
-                             o.ttt_steps, o.decay, o.attention, keep if n else None)
+                             o.ttt_steps, o.decay, o.attention, keep)
         # accept: each step on its own, given the true tokens before it; chain: the first s+1 steps all
         # right, per position counted at step 0 (close to what decoding accepts at depth s+1; the other
         # counts deep steps decoding never reaches: experiments/eagle3_chain_estimate.py)
