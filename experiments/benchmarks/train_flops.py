@@ -67,7 +67,7 @@ def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]
 
 
 def main() -> None:
-    from train_rates import RECIPES
+    from benchmarks.train_rates import RECIPES
     import train as T
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
