@@ -269,8 +269,11 @@ class BlockRecipe(Recipe):
         """One first draft per block: a block's position 1 (DFlash), its anchor (DSpark)."""
         return span_positions(*anchor_span(response_start, lengths), self.options.anchors)
 
-    def anchors(self, model: nn.Module, bb: BlockBatch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        return sample_anchors(bb, self.options.anchors if model.training else self.options.eval_anchors, gen)
+    def anchors(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """The blocks' anchors, drawn from the batch's host-side lengths (no device read)."""
+        lengths, start = batch.on_host()
+        n = self.options.anchors if model.training else self.options.eval_anchors
+        return batch_anchors(start, lengths, n, gen, anchor_span, device=batch.tokens.device)
 
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, BlockDraftModel)
@@ -309,6 +312,6 @@ class DFlashRecipe(BlockRecipe):
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, BlockDraftModel)
         bb = self.block_batch(batch)
-        anchors, keep = self.anchors(model, bb, gen)
+        anchors, keep = self.anchors(model, batch, gen)
         return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
                           kl=self.options.loss == "kl", group=self.options.group)

@@ -116,7 +116,7 @@ class DFlash2Recipe(DFlashRecipe):
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, DFlash2Model)
         bb = self.block_batch(batch)
-        anchors, keep = self.anchors(model, bb, gen)
+        anchors, keep = self.anchors(model, batch, gen)
         return dflash2_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
                             kl=self.options.loss == "kl", selector_weight=self.options.selector_weight,
                             group=self.options.group)

@@ -195,16 +195,16 @@ class BatchTTT:
 
 def batched_ttt_loss(model: nn.Module, embed: Callable[[Tensor], Tensor], head: Tensor, in_draft: Tensor,
                      batch: Batch, slots: Tensor | None = None, steps: int = 7, decay: float = 0.8,
-                     attention: str = "sdpa", keep: Tensor | None = None) -> BatchTTT:
+                     attention: str = "split", keep: Tensor | None = None) -> BatchTTT:
     """:func:`ttt_loss` for a whole batch in one pass: every row, every TTT step, and (``slots`` None)
     every context slot as an anchor. Per step ``s`` all queries attend to the context keys (causal)
     plus that step's diagonal (the keys their own steps 1..s produced), as SpecForge and speculators
     train. ``slots`` [B, A] restricts steps' queries to sampled anchors (sorted, in range); the
     loss and figures then equal :func:`ttt_loss` per row at those anchors (``keep`` [B, A] marks
-    the real ones where a row has fewer). ``attention``: ``sdpa``
-    (one dense boolean mask per batch shape, any device) or ``flex`` (``flex_attention``'s block
-    mask; compiled on CUDA) or ``split`` (:func:`split_attention`: the same attention by its
-    structure, no mask over the diagonal blocks). Nothing is read back to the host."""
+    the real ones where a row has fewer). ``attention``, one semantics three ways: ``split``
+    (:func:`split_attention`: context and diagonal scores apart), ``sdpa`` (one dense boolean mask
+    per batch shape) or ``flex`` (``flex_attention``'s block mask; compiled on CUDA). Nothing is read
+    back to the host."""
     tokens, lengths, start = batch.tokens, batch.lengths, batch.response_start
     B, T = tokens.shape
     N, dt, dev = T - 1, model.fc.weight.dtype, tokens.device
@@ -342,7 +342,8 @@ class Eagle3Recipe(Recipe):
         o = self.options
         n = o.anchors if model.training else o.eval_anchors
         # every slot of each row's response range (n = 0), or n sampled ones; padding marked by keep
-        slots, keep = batch_anchors(batch.response_start, batch.lengths, n, gen, self._span, device=batch.tokens.device)
+        lengths, start = batch.on_host()
+        slots, keep = batch_anchors(start, lengths, n, gen, self._span, device=batch.tokens.device)
         r = batched_ttt_loss(model, lambda ids: self.target.embed(ids).float(), self.head, model.t2d, batch, slots,
                              o.ttt_steps, o.decay, o.attention, keep)
         # accept: each step on its own, given the true tokens before it; chain: the first s+1 steps all

@@ -38,7 +38,8 @@ def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) 
     """Up to ``num`` distinct anchors (0: every one) per row in ``[response_start, length − unroll − 1]`` (every
     unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A],
     on the batch's device (drawn on the generator's)."""
-    return batch_anchors(batch.response_start, batch.lengths, num, gen, lambda s, n: anchor_span(s, n, unroll),
+    lengths, start = batch.on_host()
+    return batch_anchors(start, lengths, num, gen, lambda s, n: anchor_span(s, n, unroll),
                          pad=1, device=batch.tokens.device)  # padding anchors: any position with a hidden before it
 
 
