@@ -662,3 +662,33 @@ def test_training_runs_torch_kernels_only_and_counts_every_loss_position(tmp_pat
     logged = [e for e in rec.log if "loss" in e]
     assert [e["step"] for e in logged] == [1, 2] and all(isinstance(e["loss"], float) for e in logged)
     assert all(len(e["accept"]) == 7 and isinstance(e["accept"][0], float) for e in logged)
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["ce", "kl"])
+def test_mtp_loss_on_the_label_rows_alone_is_the_same_loss(tiny_target, kl):
+    """The recipe's path (``host_mask``: the head and the target's distribution on the label rows
+    only, indices found on the host) gives the plain path's loss, figures and gradients."""
+    from specdec.drafters.mtp.train import label_rows, mtp_loss
+
+    drafter = DRAFTERS["mtp"].tiny(tiny_target, depth=2)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, V, (3, 12), generator=g)
+    lengths, start = torch.tensor([12, 7, 10]), torch.tensor([4, 0, 9])
+    final = target_features(tiny_target, tokens, ())["final"]
+    vocab = torch.arange(0, V, 2)
+    index = torch.full((V,), -1)
+    index[vocab] = torch.arange(vocab.numel())
+    head = tiny_target.lm_head.weight.detach().float()[vocab]
+    args = (tokens, final, drafter.modules, tiny_target.embed, lambda h: torch.nn.functional.linear(h, head),
+            tiny_target.rotary, label_rows(lengths, start, 12))
+    kw = dict(kl=kl, vocab_index=None if kl else index)
+    plain, rows = mtp_loss(*args, **kw), mtp_loss(*args, **kw, host_mask=label_rows(lengths, start, 12))
+    torch.testing.assert_close(rows.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows.mtp_ce, plain.mtp_ce, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows.mtp_acc, plain.mtp_acc)
+    params = [p for p in drafter.modules.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(rows.loss, params, allow_unused=True),
+                    torch.autograd.grad(plain.loss, params, allow_unused=True)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))

@@ -64,8 +64,13 @@ class MTPLoss:
 
 def label_mask(batch: Batch) -> Tensor:
     """Which tokens count as labels [B, T]: inside the row and in the response (all of plain text)."""
-    pos = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).unsqueeze(0)
-    return (pos < batch.lengths.unsqueeze(1)) & (pos >= batch.response_start.unsqueeze(1))
+    return label_rows(batch.lengths, batch.response_start, batch.tokens.shape[1])
+
+
+def label_rows(lengths: Tensor, response_start: Tensor, T: int) -> Tensor:
+    """:func:`label_mask` from the lengths and response starts, on their device (the host's: no device read)."""
+    pos = torch.arange(T, device=lengths.device).unsqueeze(0)
+    return (pos < lengths.unsqueeze(1)) & (pos >= response_start.unsqueeze(1))
 
 
 def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,7 +90,7 @@ def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
 def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,
              rotary: Callable[[Tensor, Tensor], Any], mask: Tensor, lam: float = 0.3,
              main_logits: Tensor | None = None, chain_hidden: str = "normed", kl: bool = False,
-             vocab_index: Tensor | None = None) -> MTPLoss:
+             vocab_index: Tensor | None = None, host_mask: Tensor | None = None) -> MTPLoss:
     """DeepSeek-V3's main + MTP loss on ``tokens`` [B, T] whose post-norm final hidden state is
     ``hidden`` [B, T, D]; ``mask`` [B, T] marks the tokens that count as labels. ``main_logits``
     [B, T, V] adds the main CE (None: a frozen target, MTP loss only).
@@ -94,14 +99,16 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
     one slot earlier, not the sequence's token (forward KL, as speculators and SpecForge train
     drafters; the sampled thirds of a corpus then teach the distribution, not one draw of it).
     ``vocab_index`` [V]: where ``head`` gives logits over a draft vocabulary only, each token's
-    place in it (-1 outside); CE labels outside it do not count."""
+    place in it (-1 outside); CE labels outside it do not count. ``host_mask``: ``mask`` on the host;
+    the head (and with ``kl`` the target's distribution) then runs on the label rows only (their
+    indices found on the host, no device read): prompts and padding cost no head, the loss is the same."""
     T, D = hidden.shape[1], len(modules)
     total = hidden.new_zeros((), dtype=torch.float32)
     main_ce = main_acc = total.detach()
     if main_logits is not None:
         ce, main_acc = _ce(main_logits[:, :-1], tokens[:, 1:], mask[:, 1:])
         total, main_ce = total + ce, ce.detach()
-    if kl:  # the target's distribution after every slot, once for all depths
+    if kl and host_mask is None:  # the target's distribution after every slot, once for all depths
         with torch.no_grad():
             target_p = head(hidden).float().softmax(-1)
     prev, ces, accs = hidden, [], []
@@ -110,11 +117,21 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
         pos = torch.arange(d, d + n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
         emb = embed(tokens[:, d: d + n])
         residual, normed = module(emb, prev[:, :n], rotary(emb, pos), pos)  # no mask: causal
-        logits, m = head(normed), mask[:, d + 1: d + 1 + n]
+        m, labels = mask[:, d + 1: d + 1 + n], tokens[:, d + 1: d + 1 + n]
+        if host_mask is None:
+            logits = head(normed)
+            p = target_p[:, d: d + n] if kl else None
+        else:  # the label rows alone, as one row of R positions
+            idx = host_mask[:, d + 1: d + 1 + n].flatten().nonzero().squeeze(1).to(tokens.device)
+            logits = head(normed.flatten(0, 1).index_select(0, idx)).unsqueeze(0)
+            labels = labels.flatten().index_select(0, idx).unsqueeze(0)
+            m = torch.ones_like(labels, dtype=torch.bool)
+            if kl:
+                with torch.no_grad():
+                    p = head(hidden[:, d: d + n].flatten(0, 1).index_select(0, idx)).float().softmax(-1).unsqueeze(0)
         if kl:
-            ce, acc = _kl(logits, target_p[:, d: d + n], m)
+            ce, acc = _kl(logits, p, m)
         else:
-            labels = tokens[:, d + 1: d + 1 + n]
             if vocab_index is not None:
                 labels = vocab_index[labels]
                 m = m & (labels >= 0)
@@ -198,7 +215,8 @@ class PostHocMTPRecipe(Recipe):
         t = self.target
         r = mtp_loss(batch.tokens, batch.features["final"].float(), model, lambda ids: t.embed(ids).float(),
                      lambda h: F.linear(h, self.head), t.rotary, label_mask(batch), self.options.lam,
-                     kl=self.options.loss == "kl", vocab_index=self.vocab_index)
+                     kl=self.options.loss == "kl", vocab_index=self.vocab_index,
+                     host_mask=label_rows(*batch.on_host(), batch.tokens.shape[1]))
         return _step_output(r, joint=False, kl=self.options.loss == "kl")
 
     def save(self, model: nn.Module, out: Path) -> None:
