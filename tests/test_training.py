@@ -692,3 +692,28 @@ def test_mtp_loss_on_the_label_rows_alone_is_the_same_loss(tiny_target, kl):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+
+
+def test_gemma_assistant_head_on_the_real_anchors_alone_is_the_same_loss(tiny_target, tmp_path, cache):
+    """Dense anchors pad short rows; the recipe's head runs on the real anchors only (``rows``, found
+    on the host) and gives the loss, figures and gradients of the head over every padded anchor."""
+    from specdec.drafters.gemma_mtp.train import response_anchors, unrolled_loss
+
+    cfg = tiny_config(tmp_path, "gemma_mtp", options=dict(hidden=16, intermediate=32, anchors=0))
+    recipe = load_recipe(cfg.recipe, cfg.options)
+    data = load_data(cfg.data, tiny_target, lambda t: recipe.featurize(tiny_target, t), recipe.feature_key(tiny_target))
+    torch.manual_seed(0)
+    model = recipe.build(tiny_target, data)
+    batch = data.batch(data.train[:3])
+    anchors, keep, rows = response_anchors(batch, 0, 3, torch.Generator())
+    assert 0 < rows.numel() < keep.numel()  # every position of each row's range, short rows padded
+    embed = lambda ids: tiny_target.embed(ids).float()  # noqa: E731
+    fast, fast_acc = unrolled_loss(model, embed, batch, anchors, keep, 3, 0.8, rows)
+    full, full_acc = unrolled_loss(model, embed, batch, anchors, keep, 3, 0.8)
+    torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_acc, full_acc)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(fast, params, allow_unused=True), torch.autograd.grad(full, params, allow_unused=True)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
