@@ -59,7 +59,8 @@ ALLOWED = {
     # the data layer sits below training and evaluation: it generates sequences with the loop (a
     # verifier) and builds the tiny target of the test tools; it never imports training or eval
     "specdec.data": {"core", "specdec.kernels", "specdec.verifiers", "specdec.testing"},
-    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},  # never eval
+    # never eval; the kernels' dispatch only, to train on torch code (no kernel compiled in the loop)
+    "specdec.training": {"core", "specdec.kernels", "specdec.verifiers", "specdec.data"},
     "specdec.eval": {"core", "specdec.testing", "specdec.data"},
     "specdec.testing": {"core", "specdec.verifiers"},  # the suite verifies with every verifier
 }

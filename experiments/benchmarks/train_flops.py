@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,15 +28,15 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 def matmul_roof(n: int = 2048) -> float:
     """FLOP/s of one bf16 n³ matmul under CPU autocast on one thread (best of 5)."""
+    from specdec.timing import measure
+
     a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        a @ b
-        for _ in range(5):
-            t = time.perf_counter()
+
+    def product() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             a @ b
-            best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+
+    return 2 * n ** 3 / measure(product, repeats=5, warmup=1).min
 
 
 def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]:
