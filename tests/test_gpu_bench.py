@@ -96,9 +96,11 @@ def test_dry_run_writes_every_file(tmp_path):
     assert train["label"].startswith("training throughput only") and train["recipe"].endswith("Eagle3Recipe")
     assert [p["steps"] for p in train["parts"]] == [2, 2] and train["steps"] == 4  # stopped, then resumed
     assert train["tokens_per_s"] > 0 and train["tokens"] == sum(p["tokens"] for p in train["parts"])
+    assert train["positions_per_s"] > 0 and train["positions"] == sum(p["positions"] for p in train["parts"])
+    assert 0 < train["positions_per_token"] < 1  # every response position with a label, of every target token
     assert all(p["what"].startswith("the training loop alone") for p in train["parts"])  # as the trainer records each part
     md = (tmp_path / "results.md").read_text()
-    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md
+    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md and "trained positions/s" in md
     if res["figures"]:  # matplotlib present
         assert all((tmp_path / f).stat().st_size > 0 for f in res["figures"])
 

@@ -58,7 +58,7 @@ ALLOWED = {
     "specdec.verifiers": {"core", "specdec.kernels"},
     "specdec.drafters": {"core", "specdec.kernels", "specdec.training", "specdec.testing", "specdec.data"},
     "specdec.data": {"core", "specdec.kernels", "specdec.verifiers", "specdec.testing"},
-    "specdec.training": {"core", "specdec.verifiers", "specdec.data"},
+    "specdec.training": {"core", "specdec.kernels", "specdec.verifiers", "specdec.data"},
     "specdec.eval": {"core", "specdec.testing", "specdec.data"},
     "specdec.testing": {"core", "specdec.verifiers"},
 }
@@ -69,7 +69,8 @@ WHY = {
                         " and the data layer",
     "specdec.data": "below training and evaluation: generates sequences with the loop (a verifier), builds the"
                     " test tools' tiny target",
-    "specdec.training": "never evaluation",
+    "specdec.training": "never evaluation; the kernels' dispatch only, to train on torch code (no kernel"
+                        " compiled inside training)",
     "specdec.testing": "the conformance suite verifies with every verifier",
 }
 FOLDERS = {"core": "specdec/*.py", "specdec.kernels": "specdec/kernels/", "specdec.verifiers": "verifiers/",

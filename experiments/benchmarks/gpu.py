@@ -88,11 +88,13 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   a 2-layer model, each run twice (untimed, then timed): ~2 000 small steps × ~10 ms of eager
   launches, plus the draft-input GEMM's autotuning for a few M buckets ≈ 30 s.
 - train: the random 135M target (< 1 s, built once) and the corpus (384 sequences, < 1 s, read by
-  each part). A step is 32 sequences × 7 training-time-test steps of a one-layer head, each
-  ~50 small eager ops forward and about as many backward, with two host syncs (``int()`` counts):
-  ~20 000 launches, plus a 30-layer feature forward over 32 × ~330 tokens; the first H200 run
-  measured 4.5 s a step (30 steps in 136 s). The section stops at 90 s: 8 steps, then as many as
-  its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
+  each part). A step is the whole batch (32 sequences, every response position an anchor) × 7
+  training-time-test steps of a one-layer head in one pass per step (~60 eager ops forward and
+  about as many backward, no host read; the figures are read once per log interval) plus a
+  30-layer feature forward over 32 × ~330 tokens; the table gives target tokens/s, response
+  tokens/s and trained positions/s (loss positions at draft depth 1). The per-sequence loop this
+  replaced took 4.5 s a step on the first H200 run. The section stops at 90 s: 8 steps, then as
+  many as its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
 
 Sum ≈ 15 + 100 + 30 + 45 + 30 + 90 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
 guard covering a slow compile cache or a slower GPU (a section starts only when its estimate fits
@@ -617,7 +619,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     options = {**recipe["options"], **{o.split("=")[0].removeprefix("options."): int(o.split("=")[1])
                                        for o in OPTIONS["eagle3"]}}
     if dry:
-        options.update(draft_vocab=64, anchors=8, eval_anchors=8)
+        options.update(draft_vocab=64)
     target = smollm2_shaped(device, dry)
     with tempfile.TemporaryDirectory() as tmp:
         def config(stop_after: int | None, resume: bool) -> TrainConfig:
@@ -632,7 +634,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 
         first, first_s, what = timed_train(config(t["first"], False), target)
         parts = [{"steps": t["first"], "seconds": first_s, "tokens": first.tokens,
-                  "response_tokens": first.response_tokens, "what": what}]
+                  "response_tokens": first.response_tokens, "positions": first.positions, "what": what}]
         record, rest = first, t["steps"] - t["first"]
         left = min(t["seconds"] - (now() - t0), budget.seconds - budget.elapsed()) - RESUME_S
         extra = min(rest, int(left / (first_s / t["first"]))) if first_s > 0 else rest
@@ -640,7 +642,8 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             stop = None if t["first"] + extra == t["steps"] else t["first"] + extra
             record, rest_s, what = timed_train(config(stop, True), target)
             parts.append({"steps": extra, "seconds": rest_s, "tokens": record.tokens - first.tokens,
-                          "response_tokens": record.response_tokens - first.response_tokens, "what": what})
+                          "response_tokens": record.response_tokens - first.response_tokens,
+                          "positions": record.positions - first.positions, "what": what})
         trained = sum(part["steps"] for part in parts)
         if trained < t["steps"]:
             budget.skipped.append({"what": f"train: steps {trained + 1}-{t['steps']} (beyond the section's "
@@ -655,7 +658,9 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             "cpu_recipe_sequences": CPU_SEQUENCES, "data_ratio": record.steps * t["batch"] / CPU_SEQUENCES,
             "tokens": record.tokens, "response_tokens": record.response_tokens, "parts": parts,
             "tokens_per_s": steady["tokens"] / steady["seconds"],
-            "response_tokens_per_s": steady["response_tokens"] / steady["seconds"], "rate_from": steady["what"],
+            "response_tokens_per_s": steady["response_tokens"] / steady["seconds"],
+            "positions": record.positions, "positions_per_token": record.positions_per_token,
+            "positions_per_s": steady["positions"] / steady["seconds"], "rate_from": steady["what"],
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
@@ -725,9 +730,13 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 f" data: {tr['data']}. {tr['steps']} steps of {tr['batch']} sequences = {tr['sequences']} sequences,"
                 f" {tr['data_ratio']:.3g}x the CPU recipe's {tr['cpu_recipe_sequences']}. The target's weights are"
                 " random, so the loss and acceptance measure nothing about drafting quality.", "",
-                "| part | steps | seconds | tokens | tokens/s | response tokens/s | timed |", "|---|---|---|---|---|---|---|"]
+                f"Trained positions: loss positions at draft depth 1 (every response position with a label), "
+                f"{_f(tr['positions_per_token'], '.3f')} per target token.", "",
+                "| part | steps | seconds | tokens | target tokens/s | response tokens/s | trained positions/s | timed |",
+                "|---|---|---|---|---|---|---|---|"]
         out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
-                f"| {p['response_tokens'] / p['seconds']:.0f} | {p['what']} |" for i, p in enumerate(tr["parts"])]
+                f"| {p['response_tokens'] / p['seconds']:.0f} | {p['positions'] / p['seconds']:.0f} | {p['what']} |"
+                for i, p in enumerate(tr["parts"])]
         out.append("")
     if results.get("kernel_choices"):
         out += ["## The path each kernel took (all sections)", "",
