@@ -99,7 +99,7 @@ def no_model(monkeypatch):
     (["--prompt", "  "], "--prompt is empty"),
     (["--k", "two"], "invalid int value"),
     (["--drafter", "ngarm"], "'ngarm' is not offered; the demo offers: ngram, suffix"),
-    (["--drafter", "dflash"], "checkpoint 'smollm2-135m-dflash' is not committed.*make it with: .*train.py"),
+    (["--drafter", "dflash"], "checkpoint 'smollm2-135m-dflash' is not committed.*make it with: .*run.py --config-name train/"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(argv, message, no_model, capsys):
     with pytest.raises(SystemExit) as e:

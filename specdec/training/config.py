@@ -1,4 +1,4 @@
-"""Typed configuration of a training run: the one set of settings behind ``experiments/train.py``.
+"""Typed configuration of a training run: the one set of settings behind the lab's ``train`` mode.
 
 Hydra composes ``experiments/conf/train/<recipe>.yaml`` onto :class:`TrainConfig` and converts once
 with ``OmegaConf.to_object`` (types checked, unknown keys refused); tests build it directly. This
