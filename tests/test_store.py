@@ -332,7 +332,8 @@ def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_
 
 
 def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
-    tokens_to_reach = _curves().tokens_to_reach
+    _curves()  # experiments/ on the path: the renderer beside the lab's modules
+    from report import tokens_to_reach
 
     slope, need = tokens_to_reach([(10_000, 1.1), (100_000, 1.2), (1_000_000, 1.3)], 2.5)
     assert slope == pytest.approx(0.1) and need == pytest.approx(1e6 * 10 ** 12, rel=1e-6)  # 1.2 more at 0.1/decade

@@ -23,6 +23,7 @@ figure: acceptance is exact on a busy machine.
 
 from __future__ import annotations
 
+import datetime
 import json
 import shlex
 import subprocess
@@ -31,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdec.provenance import command_line, with_kept_notes
+from specdec.provenance import command_line
 
-__all__ = ["FAMILIES", "parts", "run_name", "part_command", "tokens_to_reach", "decode", "collect", "package", "curves"]
+__all__ = ["FAMILIES", "parts", "run_name", "part_command", "decode", "collect", "report", "package", "curves"]
 
 FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
 # per family: the label is the target's own distribution where the recipe offers it (forward KL); the
@@ -191,101 +192,36 @@ def collect(runs: Path, families: tuple[str, ...] = FAMILIES) -> dict[str, list[
     return out
 
 
-def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float, float | None]:
-    """(slope per decade, tokens) of a least-squares line of mean accepted length against log10
-    tokens seen, extrapolated to ``aim``: how far a curve's own trend would have to run. ``None``
-    when the trend does not rise (or fewer than two points): no number of tokens reaches it."""
-    import math
-
-    if len(points) < 2:
-        return 0.0, None
-    xs, ys = [math.log10(t) for t, _ in points], [m for _, m in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    if slope <= 0:
-        return slope, None
-    decades = mx + (aim - my) / slope
-    return slope, 10 ** decades if decades < 300 else math.inf  # a near-flat rise: past any float
-
-
-AIM_MAL = 2.5  # the aimed mean accepted length at the best k (the report estimates the tokens to reach it)
-BEYOND = 1e15  # tokens past which an extrapolation names no data set that exists (the papers train on 1e7-1e8)
-
-
-def _tokens(need: float | None) -> str:
-    if need is None:
-        return "never on this trend"
-    return f"> {BEYOND:.0e}" if need > BEYOND else f"{need:.1e}"
+CURVES_QUESTION = (
+    "Every family sees the same store sequences in the same order (equal tokens and equal steps at each point). "
+    "MAL: mean accepted length of greedy chain decoding at k = 4 on held-out prompts (the first 8 MT-bench first "
+    "turns, the first 8 HumanEval problems, 48 new tokens), through the library's loop; acceptance 1..k: the share "
+    "of steps that drafted that deep whose draft at that position was accepted. Each part's training command is in "
+    "its `training.json` and in this page's record.")
 
 
 def report(runs: str, families: list[str], out: str) -> None:
-    """The page of the curves found in ``runs``: ``<out>.json``, ``<out>.png`` and ``<out>.md``."""
-    import matplotlib
+    """The record of the curves found in ``runs`` (``<out>.json``: every point's tokens, steps, wall
+    time, held-out figures, decoded figures and command, with the provenance), then its page and figure
+    rendered from it by the one renderer (``experiments/report.py``)."""
+    from report import write_page  # experiments/: the renderer
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    from specdec.provenance import cpu_model, git_sha
 
     data = collect(Path(runs), tuple(families))
-    stem = Path(out)
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, name in zip(axes, ("mtbench", "humaneval")):
-        for f, pts in data.items():
-            xs = [p["tokens"] for p in pts if p["decoded"]]
-            ys = [p["decoded"][name]["mean_accepted_length"] for p in pts if p["decoded"]]
-            family = f.split("@", 1)[0]
-            lever = sum(1 for g in list(data)[:list(data).index(f)] if g.split("@", 1)[0] == family)  # 0: the plain curve
-            ax.plot(xs, ys, marker="os^vD"[lever % 5], label=f, ls="--" if lever else "-",  # a lever: dashed, its family's colour
-                    color=f"C{FAMILIES.index(family) if family in FAMILIES else len(FAMILIES)}")
-        ax.set(xscale="log", xlabel="training tokens seen", ylabel="mean accepted length (greedy, chain k=4)",
-               title=f"held-out {'MT-bench' if name == 'mtbench' else 'HumanEval'}")
-        ticks = sorted({p["tokens"] for pts in data.values() for p in pts if p["decoded"]})
-        ax.set_xticks(ticks, [f"{t / 1e3:.0f}k" if t < 1e6 else f"{t / 1e6:.1f}M" for t in ticks])
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=72)
-    rows = ["| drafter | tokens seen | steps | wall s | MT-bench MAL | MT-bench acceptance 1..k | HumanEval MAL | "
-            "HumanEval acceptance 1..k |", "|---|---:|---:|---:|---:|---|---:|---|"]
-    for f, pts in data.items():
-        for p in pts:
-            d = p["decoded"]
-            if d is None:
-                continue
-            cells = [f"{d[n]['mean_accepted_length']:.2f} | {' '.join(f'{x:.2f}' for x in d[n]['acceptance_at'])}"
-                     for n in ("mtbench", "humaneval")]
-            rows.append(f"| {f} | {p['tokens']:,} | {p['steps']} | {p['wall_seconds']:.0f} | {cells[0]} | {cells[1]} |")
-    rows += ["", f"**Tokens to the aim, by each curve's own trend** (a least-squares line of MAL against log10 tokens "
-             f"seen over the curve's points, extrapolated to MAL {AIM_MAL}; a trend, not a promise):", "",
-             f"| drafter | points | MT-bench MAL gain per 10x tokens | MT-bench tokens to MAL {AIM_MAL} | "
-             f"HumanEval MAL gain per 10x tokens | HumanEval tokens to MAL {AIM_MAL} |", "|---|---:|---:|---:|---:|---:|"]
-    for f, pts in data.items():
-        done = [p for p in pts if p["decoded"]]
-        cells = []
-        for n in ("mtbench", "humaneval"):
-            slope, need = tokens_to_reach([(p["tokens"], p["decoded"][n]["mean_accepted_length"]) for p in done], AIM_MAL)
-            cells.append(f"{slope:+.3f} | {_tokens(need)}")
-        rows.append(f"| {f} | {len(done)} | {cells[0]} | {cells[1]} |")
-    page = stem.with_suffix(".md")
+    page = Path(out).with_suffix(".md")
+    page.parent.mkdir(parents=True, exist_ok=True)
     first = next((p["command"] for pts in data.values() for p in pts), "")
-    text = "\n".join([
-        "# Learning curves from the feature store", "",
-        f"Generated by `{command_line()}` from the runs of",
-        "`python experiments/run.py --config-name lab/curves` (each part's command is in its `training.json`; the first:",
-        f"`{first}`).", "",
-        f"git {_git_sha()}, {_machine()}, {_store_dtype(first)}, {_training_precision(data)}, greedy, {_today()}.", "",
-        "Every family sees the same store sequences in the same order (equal tokens and equal steps at each",
-        "point). MAL: mean accepted length of greedy chain decoding at k = 4 on held-out prompts (the first",
-        "8 MT-bench first turns, the first 8 HumanEval problems, 48 new tokens), through the library's loop;",
-        "acceptance 1..k: the share of steps that drafted that deep whose draft at that position was accepted.",
-        "", "![learning curves](learning_curves.png)", ""] + rows)
-    text = with_kept_notes(page, text)
-    page.write_text(text)
-    print(text)
+    record = {"title": "Learning curves from the feature store", "question": CURVES_QUESTION,
+              "provenance": {"command": command_line(), "git": (git_sha() or "unknown")[:7],
+                             "machine": f"{cpu_model()}, one torch thread per job (threads=1), the machine shared "
+                                        "with other jobs",
+                             "date": datetime.date.today().isoformat(),
+                             "settings": f"{_store_dtype(first)}, {_training_precision(data)}, greedy"},
+              "curves": data}
+    page.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    for path in write_page(page):
+        print(path)
 
 
 def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True,
@@ -369,24 +305,6 @@ def _training_precision(data: dict[str, list[dict[str, Any]]]) -> str:
     if not bf16:
         return "fp32 training and decoding"
     return f"fp32 training except under bf16 autocast in {', '.join(bf16)} (`optim.bf16=true`), fp32 decoding"
-
-
-def _git_sha() -> str:
-    from specdec.provenance import git_sha
-
-    return (git_sha() or "unknown")[:7]
-
-
-def _machine() -> str:
-    from specdec.provenance import cpu_model
-
-    return f"{cpu_model()}, one torch thread per job (threads=1), the machine shared with other jobs"
-
-
-def _today() -> str:
-    import datetime
-
-    return datetime.date.today().isoformat()
 
 
 def curves(runs: str, action: str = "run", store: str | None = None,
