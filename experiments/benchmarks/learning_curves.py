@@ -19,6 +19,10 @@ through the library's loop): the first turns of held-out MT-bench questions and 
 problems (:data:`specdec.data.datasets.HELD_OUT`), acceptance at each draft position and the mean
 accepted length, into ``decoded.json`` beside the checkpoint. Nothing here reads a clock for a
 figure: acceptance is exact on a busy machine.
+
+``report`` collects every part into the page's record (``docs/results/learning_curves.json``: each
+point's figures and command, with the provenance) and has the one renderer, ``experiments/report.py``,
+draw the page and its figure from it; ``package`` makes a point a checkpoint folder.
 """
 
 from __future__ import annotations
