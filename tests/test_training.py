@@ -436,6 +436,20 @@ def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
         GlobalHydra.instance().clear()
 
 
+def compose_lab(name: str, overrides: list[str]):
+    """A lab preset's function and checked parameters (``experiments/run.py --config-name <name> ...``), not run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _entry()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+            return entry.lab_job(compose(config_name=name, overrides=list(overrides)))
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def test_every_train_config_composes_and_names_a_recipe_with_valid_options():
     names = sorted(p.stem for p in CONF.glob("*.yaml"))
     assert names == ["smollm2_dflash", "smollm2_dflash2", "smollm2_dspark", "smollm2_eagle3", "smollm2_gemma_mtp", "smollm2_mtp",
@@ -463,8 +477,8 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
     reads = None  # the folder the next command's init= names: the one the command before it writes
     chain = [*record.remake_first, command]
     if chain[0].startswith("python experiments/run.py --config-name lab/store "):  # a store-trained chain: the store's first
-        out = next(w for w in shlex.split(chain[0]) if w.startswith("out="))
-        assert f"data.store={out[len('out='):]}" in chain[1]  # the first part reads that store
+        fn, params = compose_lab("lab/store", shlex.split(chain[0])[4:])  # the store mode takes every key
+        assert fn.__name__ == "fill" and f"data.store={params['out']}" in chain[1]  # the first part reads that store
         chain = chain[1:]
     for i, part in enumerate(chain):
         assert part.startswith(prefix)  # the one trainer's command for this recipe
