@@ -17,7 +17,7 @@ ROOFLINES := roofline roofline-tiny
 # the questions' former target names, still working
 ALIASES := ngram mtp mtp-smollm2 eagle3 dflash dflash-batch gemma-mtp adaptive suffix
 
-.PHONY: gpu-bench interop setup demo test test-fast test-slow sweep-ngram sweep-drafters \
+.PHONY: gpu-bench interop setup demo test test-fast test-slow test-floor sweep-ngram sweep-drafters \
 	$(addprefix bench-,$(BENCHES) $(ROOFLINES) $(ALIASES))
 
 setup: $(VENV)/.installed
@@ -35,9 +35,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/specdec-demo
 
-# Two tiers (docs/testing.md); `make test` (CI) runs both, the fast one first. A tier that selects
-# no test fails (pytest exits 5).
-test: test-fast test-slow
+# Two tiers (docs/testing.md); `make test` (CI) runs both, the fast one first, then the conformance
+# cases against the oldest supported transformers. A tier that selects no test fails (pytest exits 5).
+test: test-fast test-slow test-floor
 
 # Unit tests and the conformance suite on tiny random targets, over both cores (pytest-xdist: one
 # worker per core, tests handed out one by one and an idle worker taking the other's queued ones, so
@@ -51,6 +51,31 @@ test-fast: setup
 # both cores like the fast tier (each test runs torch on one thread).
 test-slow: setup
 	$(VENV)/bin/pytest -m slow $(XDIST) --durations=15
+
+# The oldest transformers specdec supports (pyproject.toml, specdec/transformers_versions.py), installed
+# beside the venv in TF_FLOOR_DIR and put first on PYTHONPATH, with the releases of its dependencies that
+# the venv's do not satisfy: huggingface_hub 1.x (and the httpx it needs), tokenizers <= 0.23.0, and its
+# `kernels` extra's pin (the venv's newer kernels breaks its import). On it: greedy and T = 1 sampled
+# conformance of every registered drafter on both tiny targets (Llama, Gemma 4), the adversarial chains
+# and trees greedy, plain decoding, and the range's own tests. About a minute on two cores.
+TF_FLOOR := 5.8.0
+TF_FLOOR_DIR := $(VENV)/tf-floor
+TF_FLOOR_SPECS := transformers==$(TF_FLOOR) huggingface_hub==1.33.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 \
+	anyio==4.16.0 tokenizers==0.22.2 kernels==0.12.3 "exceptiongroup>=1.0.2; python_version < '3.11'" \
+	"tomli>=1.1.0; python_version < '3.11'"
+FLOOR_CASES := (test_greedy_equals_target_greedy and not adaptive and (tiny or random)) \
+	or (test_sampled_matches_target_distribution and not adaptive and rejection and t1 and not topk and not topp and tiny) \
+	or test_autoregressive_equals_target_greedy or test_transformers_versions
+
+$(TF_FLOOR_DIR)/.installed: Makefile | $(VENV)/.installed
+	rm -rf $(TF_FLOOR_DIR)
+	$(PIP) --no-deps --target $(TF_FLOOR_DIR) $(TF_FLOOR_SPECS)
+	touch $@
+
+test-floor: setup $(TF_FLOOR_DIR)/.installed
+	PYTHONPATH=$(TF_FLOOR_DIR) $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_FLOOR)', t.__file__"
+	PYTHONPATH=$(TF_FLOOR_DIR) $(VENV)/bin/pytest tests/test_conformance.py tests/test_transformers_versions.py \
+		-k "$(FLOOR_CASES)" $(XDIST) --durations=5
 
 # One question (every job of its sweep), then its report with per-request tables (in multirun/<question>/)
 $(addprefix bench-,$(BENCHES)): bench-%: setup
@@ -105,7 +130,7 @@ $(INTEROP_VENV)/.installed:
 	test -x $(INTEROP_PY) || python3 -m venv $(INTEROP_VENV)
 	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(INTEROP_PY) -m pip install -q --disable-pip-version-check --no-deps "$(SPECULATORS_SPEC)" hs-connectors==0.9.0
-	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "transformers>=5.0,<=5.19.0" pydantic pydantic-settings \
+	$(INTEROP_PY) -m pip install -q --disable-pip-version-check "transformers>=5.8.0,<=5.19.0" pydantic pydantic-settings \
 		"loguru>=0.7.2,<=0.7.3" safetensors huggingface-hub "numpy>=2.0,<=2.5.4" "tqdm>=4.66.3,<=4.70.1" rich click \
 		typer psutil protobuf httpx aiohttp "openai>=2.0.0" "datasets>=4.0.0,<=5.1.0"
 	$(INTEROP_PY) -c "import speculators"

@@ -338,6 +338,18 @@ def per_request_table(run: dict) -> list[str]:
     return lines
 
 
+def run_ks(config: Any) -> str:
+    """The k values a run's methods draft at ("1..6", "1, 2, 4, 8"), from its ``RunConfig`` or
+    ``config.json``'s ``config``: with ``methods``, each method's own (its ``k`` list, else the run's),
+    not the top-level ``num_speculative_tokens`` they override."""
+    c = asdict(config) if is_dataclass(config) else config
+    ks = sorted({k for m in (c.get("methods") or {}).values() for k in (m.get("k") or [c["num_speculative_tokens"]])})
+    ks = ks or [c["num_speculative_tokens"]]
+    if len(ks) > 2 and ks == list(range(ks[0], ks[-1] + 1)):
+        return f"{ks[0]}..{ks[-1]}"
+    return ", ".join(map(str, ks))
+
+
 def describe(config: Any) -> str:
     """One line naming what a run measured, from its ``RunConfig`` or ``config.json``'s ``config``."""
     c = asdict(config) if is_dataclass(config) else config
@@ -347,7 +359,7 @@ def describe(config: Any) -> str:
     policy = f" ({c['policy']} policy)" if c.get("policy", "fixed") != "fixed" else ""
     repeats = f" x {d['repeats']}" if d.get("repeats", 1) > 1 else ""
     return (f"target `{t['model']}` ({t['dtype']}), drafter `{dr['name'] or 'none'}`{opts}{methods},"
-            f" verifier `{c['verifier']['name']}`, k = {c['num_speculative_tokens']}{policy}, concurrency = {c['concurrency']},"
+            f" verifier `{c['verifier']['name']}`, k = {run_ks(c)}{policy}, concurrency = {c['concurrency']},"
             f" dataset `{d['name']}` ({d['num_prompts']} prompts{repeats}), temperature {c['sampling']['temperature']},"
             f" seed {c['seed']}")
 

@@ -50,7 +50,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from specdec.eval.config import RunConfig, check_keys  # noqa: E402
-from specdec.models import unmade_checkpoints  # noqa: E402
+from specdec.models import remake_time, unmade_checkpoints  # noqa: E402
 from specdec.training.config import TrainConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # experiments/: the report and the lab's modules
@@ -73,6 +73,7 @@ LAB_MODES: dict[str, str] = {
     "curves": "benchmarks.learning_curves:curves",
     "store": "benchmarks.store_fill:fill",
     "corpus": "generate_corpus:grow",
+    "preset_steps": "benchmarks.preset_steps:table",
 }
 
 
@@ -167,9 +168,14 @@ def check_made(run: RunConfig) -> None:
     """Stop before any work when the run reads a checkpoint recorded but not made here, naming the
     command that makes each (a preset lists them as ``needs_remake``)."""
     unmade = unmade_checkpoints(checkpoints_read(run))
+    if len(unmade) == 1:  # one line: the command, runnable as printed, and how long it took when recorded
+        (name, cmd), = unmade.items()
+        raise SystemExit(f"this run reads checkpoint {name!r}, recorded but not committed; make it first, from the"
+                         f" repository root, with: {cmd} ({remake_time(name)})")
     if unmade:
         raise SystemExit("this run reads checkpoints that are recorded but not committed; make them first, from"
-                         " the repository root:\n" + "\n".join(f"  {name}: {cmd}" for name, cmd in unmade.items()))
+                         " the repository root:\n" + "\n".join(f"  {name}: {cmd} ({remake_time(name)})"
+                                                             for name, cmd in unmade.items()))
 
 
 def decode_or_roofline(cfg: DictConfig) -> None:

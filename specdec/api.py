@@ -31,8 +31,9 @@ def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype
     ``threads``: torch's CPU threads (default: :func:`specdec.target.set_threads` picks them from
     the machine unless the user already chose); ``compile``, ``fast`` and ``pack``: see :class:`Target`.
     ``autotune``: on a CPU, tune the few-row plan of the linear layers here, before any timed run
-    (:meth:`Target.tune`: read from the on-disk cache, else measured once for this machine, a few
-    seconds for SmolLM2, and cached); ``False`` takes a cached plan or the deterministic
+    (:meth:`Target.tune`: read from the on-disk cache and spot-checked, else measured once for this
+    machine, about ten seconds for SmolLM2, and cached; never on a busy machine, which keeps the
+    heuristic and says so in every summary); ``False`` takes a cached plan or the deterministic
     :data:`specdec.few_rows.HEURISTIC`. Generation never measures.
     """
     if not isinstance(autotune, bool):

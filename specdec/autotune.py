@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from specdec.api import load_target
-from specdec.few_rows import autotune, cache_file, plan_key, plan_record
+from specdec.few_rows import autotune, cache_file, describe, plan_key, plan_record
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Tune (or, with ``--force``, re-tune) a target's few-row plan for this machine and print it with
-    the cache file, so that no later run measures."""
+    the cache file, so that no later run measures. Exit status 1 when it refused to tune (a busy
+    machine, passes that disagree): the line on stderr says why."""
     ap = argparse.ArgumentParser(prog="specdec-autotune", description=main.__doc__)
     ap.add_argument("--model", default="smollm2-135m", help="an alias or a folder (default: smollm2-135m)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: chosen from the machine)")
@@ -30,8 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     target = load_target(args.model, threads=args.threads, pack=not args.no_pack, autotune=False)
     autotune(target.model, packed=target.pack, force=args.force)
     key = plan_key(target.model, target.pack)
-    print(json.dumps({**plan_record(target.model, packed=target.pack), "key": key, "file": str(cache_file(key))},
-                     indent=1))
+    record = plan_record(target.model, packed=target.pack)
+    print(json.dumps({**record, "key": key, "file": str(cache_file(key))}, indent=1))
+    print(f"few-row plan: {describe(record)}", file=sys.stderr)  # its age, how it was measured, why
+    if record["note"].startswith("not tuned"):  # busy, or the passes disagreed: say so to a script too
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,28 @@ over a given number of rows depends on the CPU (docs/roofline.md):
   measurement and dropped again if no row count takes them.
 
 Only the rounding differs. So the choice is measured, not assumed, but never inside a timed run:
-:func:`autotune` (called by :func:`specdec.load_target`, or ahead by ``specdec-autotune``) times one
-pass over the model's own float32 linear layers each way at :data:`ROW_COUNTS` and keeps, per row
-count, the fastest product that is at least :data:`MARGIN` faster than ``F.linear``; a row count
-between two measured ones takes the lower one's packed choice. The plan is cached on disk, the way
+:func:`autotune` (called by :func:`specdec.load_target`, or ``specdec-autotune``) times one pass over
+the model's own float32 linear layers each way at :data:`ROW_COUNTS`, :data:`REPEATS` times, and keeps,
+per row count, the fastest product (by median) that is at least :data:`MARGIN` faster than
+``F.linear``; a row count between two measured ones takes the lower one's packed choice.
+
+A plan measured while other work shares the cores is wrong for good (a quiet machine's fastest
+product loses to ``F.linear`` under load, and the cache keeps it), so a plan is kept only when it
+was measured quietly: :func:`autotune` refuses to tune, keeping :data:`HEURISTIC` and saying why,
+when other work leaves fewer free cores than the threads it measures with (:func:`busy`, from the
+one-minute load average less this process's own share, :func:`other_load`) before or after
+measuring, or when the repeats spread wider than :data:`SPREAD_LIMIT`. The cached plan records the
+conditions it was measured under (load, cores, spread, repeats, date), and reading it costs a spot
+check (:func:`spot_check`: one short pass per row count the plan sends elsewhere, its product against
+``F.linear``): a plan with no conditions recorded, measured under more load than now, or whose
+product is now clearly slower than ``F.linear`` is measured again. The plan is cached on disk, the way
 Triton caches its autotuning, under ``$SPECDEC_CACHE/few_rows/`` (default ``~/.cache/specdec``), keyed
 by the CPU model, the thread count, the dtype, the torch version, the packing choice and the
 layers' shapes (:func:`plan_key`): measured once per machine, then read. :func:`plan_for`, which the
 target's forward asks, never measures: it takes the plan pinned or tuned in this process, else the
 cached one, else :data:`HEURISTIC` (``F.linear`` everywhere: deterministic, no copy). Every result
-records which plan ran and where it came from (:func:`plan_record`). :func:`pin` fixes the plan
+records which plan ran, where it came from, when and how it was measured, and how to measure it
+again (:func:`plan_record`). :func:`pin` fixes the plan
 instead (tests, or a user who measured).
 
 :func:`install` gives every float32 ``nn.Linear`` of a model a forward that follows the plan in
@@ -45,33 +57,51 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.provenance import cpu_model
-from specdec.timing import Stopwatch
+from specdec.timing import Stopwatch, now
 
 __all__ = ["PRODUCTS", "ROW_COUNTS", "MM_ROWS", "MARGIN", "HEURISTIC", "Plan", "install", "few_rows", "measure",
            "choose", "plan_for", "plan_record", "plan_key", "cached_plan", "autotune", "cache_folder", "cpu_model",
            "pin", "packing_available", "packed_bytes", "PACK_BUDGET", "linear_bytes", "pack_layers", "set_pack_budget",
-           "pack_budget"]
+           "pack_budget", "REPEATS", "SPREAD_LIMIT", "RETUNE", "Times", "other_load", "cores_available", "busy",
+           "spread", "spot_check", "age", "describe"]
 
 PRODUCTS = ("linear", "mm", "packed")
 """The products a row count can take; ``"linear"`` is the layer's own (and the default)."""
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32)
 """Row counts measured. Past the last one every layer keeps ``F.linear``."""
+
+REPEATS = 5
+"""Passes per product and row count when tuning: the median decides, the spread is recorded."""
+
+SPREAD_LIMIT = 0.25
+"""The widest relative spread (interquartile range over the median, of any product at any row
+count) a tuned plan is kept at: past it the passes disagree by more than twice :data:`MARGIN`, so
+noise, not the CPU, would pick the products."""
+
+RETUNE = "specdec-autotune --force"
+"""The command that measures the plan again (on a quiet machine)."""
+
+BUSY_SLACK = 0.5
+"""Load (runnable threads) that other work may add beyond the cores left free before the machine
+counts as busy: an idle machine's own daemons."""
 
 MM_ROWS = 5
 """``W @ xᵀ`` is considered up to this many rows (past it, slower on both CPUs measured)."""
@@ -98,8 +128,17 @@ copy of the weights. Which other product wins depends on the CPU (the module doc
 rule of thumb picks one without measuring."""
 
 _PLAN: ContextVar[Plan] = ContextVar("specdec_few_rows", default=_EMPTY)
-# model -> (threads, packed) -> (plan, where it came from: "pinned", "measured", "cached", "heuristic")
-_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, bool], tuple[Plan, str]]] = weakref.WeakKeyDictionary()
+
+
+class _Choice(NamedTuple):
+    plan: Plan
+    source: str  # "pinned", "measured", "cached" or "heuristic"
+    measured: dict[str, Any] | None = None  # the conditions it was measured under (None: not measured)
+    note: str = ""  # why this plan and not another (a refusal, a re-tune), for results to say
+
+
+# model -> (threads, packed) -> the plan chosen and where it came from
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, bool], _Choice]] = weakref.WeakKeyDictionary()
 _PACKED: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 _UNPACKED: weakref.WeakKeyDictionary[nn.Linear, bool] = weakref.WeakKeyDictionary()  # layers a budget leaves out
 _BUDGET: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()  # model -> its budget
@@ -261,31 +300,131 @@ def _cpu_float32_weights(model: nn.Module) -> list[nn.Linear]:
             and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
 
 
+class Times(dict):
+    """:func:`measure`'s result: row count → product → median seconds of a pass, with
+    :attr:`spreads` (the same keys → interquartile range over the median) and :attr:`repeats`."""
+
+    def __init__(self, medians: Mapping[int, Mapping[str, float]], spreads: Mapping[int, Mapping[str, float]],
+                 repeats: int):
+        super().__init__(medians)
+        self.spreads, self.repeats = dict(spreads), repeats
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of a few timings (linear interpolation)."""
+    xs = sorted(xs)
+
+    def at(q: float) -> float:
+        i = q * (len(xs) - 1)
+        lo = int(i)
+        return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+    return at(0.25), at(0.5), at(0.75)
+
+
 @torch.inference_mode()
-def measure(model: nn.Module, row_counts: tuple[int, ...] = ROW_COUNTS, reps: int = 2,
-            packed: bool = True) -> dict[int, dict[str, float]]:
+def measure(model: nn.Module, row_counts: tuple[int, ...] = ROW_COUNTS, reps: int = REPEATS,
+            packed: bool = True) -> Times:
     """Seconds of one pass over ``model``'s float32 CPU linear layers per row count and product
     (``"mm"`` up to :data:`MM_ROWS` rows, ``"packed"`` when asked and available: the layers within
-    the model's packing budget packed, the others ``F.linear``), best of ``reps`` with the products
-    interleaved, at the current number of threads. Packing makes the copies."""
+    the model's packing budget packed, the others ``F.linear``): the median of ``reps`` passes with
+    the products interleaved, at the current number of threads, with their spread (:class:`Times`).
+    Packing makes the copies."""
     layers = _cpu_float32_weights(model)
     widths = {m.in_features for m in layers}
     packed = packed and packing_available()
     if packed:
         _make_copies(model)  # the copies first: packing is not what a pass costs
     gen = torch.Generator().manual_seed(0)  # its own: measuring never moves the caller's random stream
-    out: dict[int, dict[str, float]] = {}
+    medians: dict[int, dict[str, float]] = {}
+    spreads: dict[int, dict[str, float]] = {}
     for rows in row_counts:
         xs = {d: torch.randn(rows, d, generator=gen, device="cpu") for d in widths}  # not a default device
         names = ["linear"] + (["mm"] if rows <= MM_ROWS else []) + (["packed"] if packed else [])
-        best = dict.fromkeys(names, float("inf"))
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:  # one untimed pass each: the first call of a shape pays for its set-up
+            for m in layers:
+                _product(name, xs[m.in_features], m)
         for _ in range(reps):
             for name in names:
                 with Stopwatch() as sw:  # host products only: nothing to synchronise
                     for m in layers:
                         _product(name, xs[m.in_features], m)
+                seconds[name].append(sw.seconds)
+        medians[rows], spreads[rows] = {}, {}
+        for name, ts in seconds.items():
+            q1, med, q3 = _quartiles(ts)
+            medians[rows][name], spreads[rows][name] = med, (q3 - q1) / med if med > 0 else 0.0
+    return Times(medians, spreads, reps)
+
+
+def spread(times: Mapping[int, Mapping[str, float]]) -> float | None:
+    """The widest relative spread of :func:`measure`'s passes (None for times without spreads)."""
+    spreads = getattr(times, "spreads", None)
+    if not spreads:
+        return None
+    return max((x for t in spreads.values() for x in t.values()), default=0.0)
+
+
+def cores_available() -> int:
+    """The CPUs this process may run on (its affinity, else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def other_load(own_threads: int = 0, running_s: float = 0.0) -> float:
+    """The one-minute load average less this process's own share: ``own_threads`` busy for the
+    last ``running_s`` seconds add ``own_threads·(1 - e^(-running_s/60))`` to it (the kernel's
+    average is exponential over a minute). NaN where the system has no load average."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return float("nan")
+    return max(0.0, load - own_threads * (1 - math.exp(-max(running_s, 0.0) / 60)))
+
+
+def busy(threads: int, load: float, cores: int | None = None) -> bool:
+    """Whether other work (``load``, :func:`other_load`) leaves fewer free cores than ``threads``
+    (with :data:`BUSY_SLACK` of tolerance): timings taken now measure the contention, not the CPU."""
+    cores = cores or cores_available()
+    return math.isfinite(load) and load + threads > cores + BUSY_SLACK
+
+
+def _conditions(load: float, cores: int, threads: int, times: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    spread_ = spread(times)
+    return {"load": None if not math.isfinite(load) else round(load, 2), "cores": cores, "threads": threads,
+            "repeats": getattr(times, "repeats", None), "spread": None if spread_ is None else round(spread_, 3),
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _busy_note(load: float, cores: int, threads: int) -> str:
+    return (f"the machine is busy (other load {load:.1f} on {cores} cores, {threads} thread{'s' if threads > 1 else ''}"
+            " wanted): timings now would measure the contention")
+
+
+@torch.inference_mode()
+def spot_check(model: nn.Module, plan: Plan, reps: int = 3) -> dict[int, tuple[float, float]]:
+    """Row count → (seconds of a pass with ``plan``'s product, with ``F.linear``), best of ``reps``
+    interleaved, for each row count of ``plan`` that :func:`measure` measured (a row count filled
+    between two measured ones shares the lower one's product): the cheap check that a cached plan
+    still holds."""
+    layers = _cpu_float32_weights(model)
+    gen = torch.Generator().manual_seed(0)
+    out: dict[int, tuple[float, float]] = {}
+    for rows, how in sorted(plan.items()):
+        if rows not in ROW_COUNTS:
+            continue
+        xs = {d: torch.randn(rows, d, generator=gen, device="cpu") for d in {m.in_features for m in layers}}
+        best = {how: float("inf"), "linear": float("inf")}
+        for _ in range(reps):
+            for name in best:
+                with Stopwatch() as sw:
+                    for m in layers:
+                        _product(name, xs[m.in_features], m)
                 best[name] = min(best[name], sw.seconds)
-        out[rows] = best
+        out[rows] = (best[how], best["linear"])
     return out
 
 
@@ -338,42 +477,103 @@ def _as_plan(raw: Mapping[str, str]) -> Plan:
     return MappingProxyType(plan)
 
 
-def cached_plan(model: nn.Module, packed: bool = True) -> Plan | None:
-    """The plan tuned for ``model``'s :func:`plan_key` on this machine, read from the cache; None
-    when none was (or the file does not parse: it is then tuned again)."""
+def _cached_record(model: nn.Module, packed: bool) -> tuple[Plan, dict[str, Any] | None] | None:
+    """(plan, the conditions it was measured under, None if it records none) cached for ``model``'s
+    :func:`plan_key`; None when nothing is (or the file does not parse: it is then tuned again)."""
     key = plan_key(model, packed)
     try:
         record = json.loads(cache_file(key).read_text())
-        return _as_plan(record["plan"]) if record.get("key") == key else None
+        if record.get("key") != key:
+            return None
+        conditions = record.get("conditions")
+        return _as_plan(record["plan"]), dict(conditions) if isinstance(conditions, dict) else None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
+def cached_plan(model: nn.Module, packed: bool = True) -> Plan | None:
+    """The plan tuned for ``model``'s :func:`plan_key` on this machine, read from the cache; None
+    when none was (or the file does not parse: it is then tuned again)."""
+    hit = _cached_record(model, packed)
+    return None if hit is None else hit[0]
+
+
+def _stale(model: nn.Module, plan: Plan, conditions: dict[str, Any] | None, load: float) -> str | None:
+    """Why a cached plan no longer holds on this machine now (None: it holds). Asked only on a quiet
+    machine: a spot check under load would measure the load."""
+    if conditions is None:
+        return "the cached plan records no measuring conditions (load, spread, repeats)"
+    then = conditions.get("load")
+    if isinstance(then, (int, float)) and math.isfinite(load) and then - load >= 1.0:
+        return f"the cached plan was measured under other load {then:.1f}, now {load:.1f}"
+    for rows, (chosen, linear) in spot_check(model, plan).items():
+        if chosen * (1 - MARGIN) > linear:  # clearly slower: by the margin a product must win by to be taken
+            return (f"its {plan[rows]!r} product at {rows} rows now takes {chosen / linear:.2f}x F.linear's time"
+                    " (spot check)")
+    return None
+
+
 def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan:
     """The plan for ``model`` at the current thread count, tuned once per machine: read from the
-    cache (:func:`cached_plan`), else measured (:func:`measure`, :func:`choose`, a few seconds for
-    SmolLM2) and written there; ``force`` measures again. Call it before any timed run
+    cache (:func:`cached_plan`) and spot-checked (:func:`spot_check`, one short pass per row count
+    the plan sends elsewhere), else measured (:func:`measure`, :func:`choose`, a few seconds for
+    SmolLM2) and written there with the conditions it was measured under; ``force`` measures again.
+    A busy machine or a wide spread is never tuned on: the plan stays as it was (cached, else
+    :data:`HEURISTIC`), and :func:`plan_record` says why. Call it before any timed run
     (:func:`specdec.load_target` does); the plan then holds for this model in this process."""
-    key = (torch.get_num_threads(), packed)
+    threads = torch.get_num_threads()
+    key = (threads, packed)
     chosen = _CHOSEN.setdefault(model, {})
     if not _cpu_float32_weights(model):
-        chosen[key] = (_EMPTY, "heuristic")
+        chosen[key] = _Choice(_EMPTY, "heuristic", None, "no float32 CPU linear layer to tune")
         return _EMPTY
-    plan = None if force else cached_plan(model, packed)
-    if plan is not None:
-        chosen[key] = (plan, "cached")
+    cores, load = cores_available(), other_load()
+    hit = _cached_record(model, packed)
+    if hit is not None and not force:
+        plan, conditions = hit
         if packed and "packed" in plan.values() and packing_available():
-            _make_copies(model)  # the copies now, not in the first timed forward
-        return plan
+            _make_copies(model)  # the copies now, not in the first timed forward (nor the spot check)
+        if busy(threads, load, cores):
+            note = f"not spot-checked: {_busy_note(load, cores, threads)}"
+            chosen[key] = _Choice(plan, "cached", conditions, note)
+            return plan
+        why = _stale(model, plan, conditions, load)
+        if why is None:
+            chosen[key] = _Choice(plan, "cached", conditions, f"spot-checked at other load {load:.1f}: it holds")
+            return plan
+        retuned = f"measured again: {why}"
+        keep = _Choice(HEURISTIC, "heuristic", None, f"the cached plan no longer holds ({why}); F.linear at every row count")
+    else:
+        retuned = ""
+        keep = (_Choice(hit[0], "cached", hit[1], "the cached plan kept") if hit is not None  # forced
+                else _Choice(HEURISTIC, "heuristic", None, "F.linear at every row count"))
+    if busy(threads, load, cores):
+        chosen[key] = keep._replace(note=f"not tuned: {_busy_note(load, cores, threads)}; {keep.note}"
+                                         f"; re-tune with {RETUNE} on a quiet machine")
+        return keep.plan
+    start = now()
     times = measure(model, packed=packed)
+    after = other_load(threads, now() - start)
+    load = max(load, after) if math.isfinite(after) else load
+    wide = spread(times)
+    refusal = (_busy_note(load, cores, threads) if busy(threads, after, cores)
+               else f"the repeats spread {wide:.0%} (over {SPREAD_LIMIT:.0%}): noise would pick the products"
+               if wide is not None and wide > SPREAD_LIMIT else None)
+    if refusal is not None:
+        chosen[key] = keep._replace(note=f"not tuned: {refusal}; {keep.note}; re-tune with {RETUNE} on a quiet machine")
+        if not any(p == "packed" for c in chosen.values() for p in c.plan.values()):
+            _unpack(model)
+        return keep.plan
     plan = choose(times)
-    chosen[key] = (plan, "measured")
-    if not any(p == "packed" for plans, _ in chosen.values() for p in plans.values()):
+    conditions = _conditions(load, cores, threads, times)
+    chosen[key] = _Choice(plan, "measured", conditions, retuned)
+    if not any(p == "packed" for c in chosen.values() for p in c.plan.values()):
         _unpack(model)
     pkey = plan_key(model, packed)
     record = {"key": pkey, "plan": {str(r): how for r, how in plan.items()},
               "times_s": {str(r): t for r, t in times.items()},
-              "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "spreads": {str(r): t for r, t in getattr(times, "spreads", {}).items()},
+              "conditions": conditions, "measured": conditions["measured"]}
     path = cache_file(pkey)
     try:  # written whole, then moved into place: a reader never sees half a file
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -385,12 +585,13 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
     return plan
 
 
-def _resolve(model: nn.Module, packed: bool) -> tuple[Plan, str]:
+def _resolve(model: nn.Module, packed: bool) -> _Choice:
     key = (torch.get_num_threads(), packed)
     chosen = _CHOSEN.setdefault(model, {})
     if key not in chosen:
-        cached = cached_plan(model, packed) if _cpu_float32_weights(model) else None
-        chosen[key] = (cached, "cached") if cached is not None else (HEURISTIC, "heuristic")
+        hit = _cached_record(model, packed) if _cpu_float32_weights(model) else None
+        chosen[key] = (_Choice(hit[0], "cached", hit[1], "read from the cache, not spot-checked (autotune was not asked)")
+                       if hit is not None else _Choice(HEURISTIC, "heuristic", None, "nothing tuned or cached"))
     return chosen[key]
 
 
@@ -399,18 +600,58 @@ def plan_for(model: nn.Module, packed: bool = True) -> Plan:
     here: pinned (:func:`pin`) or tuned (:func:`autotune`) in this process, else the one cached for
     this machine (:func:`cached_plan`, read once), else :data:`HEURISTIC`. ``packed=False`` names a
     plan that never takes (nor makes) packed copies."""
-    return _resolve(model, packed)[0]
+    return _resolve(model, packed).plan
+
+
+def age(measured: str | None, now: datetime | None = None) -> str | None:
+    """How long ago an ISO-8601 UTC time was, in words ("3 days"); None when unknown."""
+    if not measured:
+        return None
+    try:
+        then = datetime.strptime(measured, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return None
+    s = max(0.0, ((now or datetime.now(timezone.utc)) - then).total_seconds())
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if s >= size:
+            n = int(s // size)
+            return f"{n} {unit}{'s' if n > 1 else ''}"
+    return "under a minute"
+
+
+def describe(record: Mapping[str, Any]) -> str:
+    """One line on a :func:`plan_record`: where the plan came from, when and how it was measured,
+    why (a refusal, a re-tune) and how to re-tune."""
+    c = record.get("conditions")
+    how = ""
+    if c:
+        load = "unknown load" if c.get("load") is None else f"other load {c['load']:.1f}"
+        spread_ = "" if c.get("spread") is None else f", spread {c['spread']:.0%}"
+        reps = f"{c['repeats']} repeats" if c.get("repeats") else "repeats unknown"
+        how = (f"measured {record.get('age') or '?'} ago ({c.get('measured')}), {reps} at {load} on"
+               f" {c.get('cores')} cores{spread_}")
+    elif record.get("source") in ("cached", "measured"):
+        how = "measuring conditions not recorded"
+    parts = [p for p in (how, record.get("note")) if p]
+    retune = "" if RETUNE in (record.get("note") or "") else f"; re-tune: {RETUNE}"
+    return f"{record['source']}" + (f"; {'; '.join(parts)}" if parts else "") + retune
 
 
 def plan_record(model: nn.Module, packed: bool = True) -> dict[str, Any]:
     """Which plan :func:`plan_for` gives, for a result to record: its source (``"pinned"``,
-    ``"measured"``, ``"cached"`` or ``"heuristic"``), the thread count, and the plan itself
-    (row count → product; a row count not named takes ``F.linear``)."""
-    plan, source = _resolve(model, packed)
-    return {"source": source, "threads": torch.get_num_threads(), "packed": packed,
+    ``"measured"``, ``"cached"`` or ``"heuristic"``), the thread count, the plan itself (row count →
+    product; a row count not named takes ``F.linear``), the conditions it was measured under
+    (load, cores, spread, repeats, date; None where it was not measured), its age, a note on why
+    this plan (a refusal to tune on a busy machine, a re-tune, a spot check) and the command that
+    re-tunes it."""
+    choice = _resolve(model, packed)
+    conditions = choice.measured
+    return {"source": choice.source, "threads": torch.get_num_threads(), "packed": packed,
             "pack_budget": pack_budget(model) if packed else 0.0, "packed_mib": round(packed_bytes(model) / 2**20, 1),
             "linear_mib": round(linear_bytes(model) / 2**20, 1),
-            "plan": {str(r): how for r, how in sorted(plan.items())}}
+            "plan": {str(r): how for r, how in sorted(choice.plan.items())},
+            "conditions": conditions, "age": age(conditions.get("measured")) if conditions else None,
+            "note": choice.note, "retune": RETUNE}
 
 
 def pin(model: nn.Module, plan: Plan, threads: int | None = None, packed: bool = True) -> None:
@@ -423,8 +664,8 @@ def pin(model: nn.Module, plan: Plan, threads: int | None = None, packed: bool =
             raise ValueError(f"row counts must be positive integers, got {rows!r}")
         if how not in PRODUCTS[1:]:
             raise ValueError(f"a row count takes one of {PRODUCTS[1:]}, got {how!r}")
-    _CHOSEN.setdefault(model, {})[(threads or torch.get_num_threads(), packed)] = (MappingProxyType(dict(plan)),
-                                                                                    "pinned")
+    _CHOSEN.setdefault(model, {})[(threads or torch.get_num_threads(), packed)] = _Choice(
+        MappingProxyType(dict(plan)), "pinned", None, "pinned in this process")
 
 
 @contextmanager

@@ -104,6 +104,7 @@ class KVStore:
         self._keys: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dk], allocated on first write
         self._values: list[Tensor | None] = [None] * num_layers  # [B, H, capacity, Dv]
         self._pending: Tensor | None = None  # positions of the block awaiting commit [B, m]
+        self.block_writes = 0  # layers that wrote the planned block's K/V (a forward that wrote none never saw the store)
         self.dense = True  # no holes: every slot is valid and slot index == position (host-known)
 
     # --- views ------------------------------------------------------------------------------
@@ -170,6 +171,7 @@ class KVStore:
         positions = self.lengths.unsqueeze(1) + depth
         self._reserve(S + m)
         self._pending = positions
+        self.block_writes = 0
         if parents is None and implicit_causal and self.dense:
             return BlockPlan(None, positions)
         allowed = torch.cat([self.valid.unsqueeze(1).expand(B, m, S), block], dim=-1)  # [B, m, S + m]
@@ -202,6 +204,7 @@ class KVStore:
         assert k is not None and v is not None
         k[:, :, S:end] = keys
         v[:, :, S:end] = values
+        self.block_writes += 1
         return k[:, :, :end], v[:, :, :end]
 
     @torch.inference_mode()

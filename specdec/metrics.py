@@ -142,7 +142,8 @@ class GenerationSummary:
     other_step_frac: float  # other_s / (wall_s - prefill_s): the loop's share of the decoding time
     policy: str | None = None  # draft-length policy (specdec.policy); None = every proposed node verified (fixed k)
     # the few-row plan the target's linear layers followed (specdec.few_rows.plan_record: source, threads,
-    # row count -> product); None where none applies (off the CPU, compiled, fast=False)
+    # row count -> product, the conditions it was measured under, its age, why, how to re-tune); None
+    # where none applies (off the CPU, compiled, fast=False)
     few_rows: dict[str, Any] | None = None
     # which path each GPU kernel took, per shape bucket (specdec.kernels.choice.record: kernel, shape,
     # backend, source, both times); None where no choice was made (off the GPU, or a forced backend)
@@ -195,5 +196,8 @@ class GenerationSummary:
     def _plan_text(self) -> str:
         if self.few_rows is None:
             return ""
+        from specdec.few_rows import describe
+
         plan = ", ".join(f"{r} rows {how}" for r, how in self.few_rows["plan"].items()) or "F.linear at every row count"
-        return f"; few-row plan ({self.few_rows['source']}, {self.few_rows['threads']} threads): {plan}"
+        how = describe(self.few_rows) if "retune" in self.few_rows else self.few_rows["source"]  # older records
+        return f"; few-row plan ({self.few_rows['threads']} threads, {how}): {plan}"

@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import socket
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-__all__ = ["ALIASES", "load_model", "cache_dir", "hub_reachable", "safetensors_files"]
+__all__ = ["ALIASES", "load_model", "cache_dir", "hub_reachable", "safetensors_files", "CheckpointNotCommitted",
+           "uncommitted_checkpoints", "remake_time", "python_command"]
 
 ALIASES: dict[str, dict[str, str]] = {
     "smollm2-135m": {
@@ -215,9 +217,9 @@ def resolve_checkpoint(name: str | Path) -> Path:
     recipe = uncommitted_checkpoints().get(str(name))
     if recipe is not None:
         command, out = recipe
-        raise FileNotFoundError(f"checkpoint {str(name)!r} is not committed (the repository stays under its size "
-                                f"budget); make it, from the repository root, with: {command} (it writes {out}; "
-                                f"pass that folder as the checkpoint)")
+        raise CheckpointNotCommitted(f"checkpoint {str(name)!r} is not committed (the repository stays under its size "
+                                     f"budget); make it, from the repository root, with: {command} (it writes {out}; "
+                                     f"pass that folder as the checkpoint; {remake_time(str(name))})")
     if _looks_like_hub_id(str(name)):
         if hub_reachable():
             from huggingface_hub import snapshot_download
@@ -242,10 +244,42 @@ def _recorded_only(folder: Path) -> bool:
     return (folder / "training.json").is_file() and not (folder / "config.json").is_file()
 
 
+class CheckpointNotCommitted(FileNotFoundError):
+    """A checkpoint recorded (its ``training.json``) without its weights: the message is the command
+    that makes it, runnable as printed, and how long that took when it was recorded."""
+
+
+def python_command() -> str:
+    """This interpreter as a command runs from the repository root: ``.venv/bin/python`` when it is
+    the checkout's own (a relative path), else its absolute path; never a bare ``python``, which
+    outside the venv is another interpreter or none."""
+    from specdec.paths import REPO_ROOT
+
+    exe = Path(sys.executable)
+    try:
+        return shlex.quote(str(exe.relative_to(REPO_ROOT)))
+    except ValueError:
+        return shlex.quote(str(exe))
+
+
+def _runnable(command: str) -> str:
+    """A recorded command with each part's leading ``python`` made :func:`python_command`."""
+    return " && ".join(python_command() + part.strip()[len("python"):] if part.strip().startswith("python ")
+                       else part.strip() for part in command.split("&&"))
+
+
+def _commands(rec: dict) -> list[str]:
+    """The commands that remake a recorded checkpoint, in order, as recorded."""
+    if rec.get("equivalent_command"):
+        return [*rec.get("remake_first", []), rec["equivalent_command"]]
+    return [rec["command"]]
+
+
 def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
     """Name → (reproducing command, the folder it writes) of every checkpoint recorded but not
     committed: its folder keeps only ``training.json`` (how it was made and what it measured).
-    A checkpoint trained in parts from earlier weights gives its commands joined by ``&&``."""
+    A checkpoint trained in parts from earlier weights gives its commands joined by ``&&``; each
+    runs with this interpreter (:func:`python_command`), as printed, from the repository root."""
     root = _checkpoint_root()
     if root is None:
         return {}
@@ -253,13 +287,13 @@ def uncommitted_checkpoints() -> dict[str, tuple[str, str]]:
     for p in sorted(root.iterdir()):
         if _recorded_only(p):
             rec = json.loads((p / "training.json").read_text())
+            command = _runnable(" && ".join(_commands(rec)))
             if rec.get("equivalent_command"):  # the one trainer's recipe: to this folder unless its out= says
-                commands = [*rec.get("remake_first", []), rec["equivalent_command"]]
                 written = next((w.split("=", 1)[1] for w in shlex.split(rec["equivalent_command"])
                                 if w.startswith("out=")), f"experiments/checkpoints/{p.name}")
-                out[p.name] = (" && ".join(commands), written)
+                out[p.name] = (command, written)
             else:
-                out[p.name] = (rec["command"], rec["config"]["out"])
+                out[p.name] = (command, rec["config"]["out"])
     return out
 
 
@@ -268,6 +302,29 @@ def unmade_checkpoints(names: Iterable[str | Path]) -> dict[str, str]:
     (:func:`uncommitted_checkpoints`) → the command that makes each: what a run must do first."""
     recorded = uncommitted_checkpoints()
     return {Path(n).name: recorded[Path(n).name][0] for n in names if Path(n).name in recorded}
+
+
+def remake_time(name: str) -> str:
+    """How long a recorded checkpoint's commands took, from its ``training.json``: the training
+    parts it times (``parts`` of a chain, else the last command's ``wall_seconds``), on how many
+    threads, and how many commands it does not time (a feature store, an earlier part kept only in
+    its note)."""
+    root = _checkpoint_root()
+    meta = None if root is None else root / name / "training.json"
+    if meta is None or not meta.is_file():
+        return "its duration is not recorded"
+    rec = json.loads(meta.read_text())
+    parts = rec.get("parts") or []  # a chain of training parts: wall_seconds is their sum
+    timed = [p.get("wall_seconds") for p in parts] if parts else [rec.get("wall_seconds")]
+    timed = [t for t in timed if isinstance(t, (int, float))]
+    untimed = len(_commands(rec)) - len(timed)
+    threads = (rec.get("versions") or {}).get("torch_threads")
+    on = f" on {threads} CPU thread{'s' if str(threads) != '1' else ''}" if threads else ""
+    if not timed:
+        return "its duration is not recorded"
+    which = "its command" if len(timed) == 1 and not untimed else f"{len(timed)} of its {len(timed) + untimed} commands"
+    took = f"recorded: {sum(timed) / 60:.1f} minutes{on} for {which}"
+    return took + (f"; the other {untimed} not timed in its training.json" if untimed else "")
 
 
 def committed_checkpoints() -> dict[str, Path]:

@@ -23,11 +23,17 @@ fits). ``s_{r,d}`` is the probability that row ``r`` accepts ``d`` or more draft
 Trees are cut by levels: a row keeps the leading nodes of depth ≤ d. Costs are a
 :class:`StepCosts` table (profiled) or, by default, :class:`MeasuredCosts`: the loop's own timings
 of each step, where a block size never measured is assumed as cheap as the data allow (so the
-policy tries it once and learns). When drafting cannot pay (plain decoding, which skips the draft pass, expects
-more tokens per second than the best width with it), the policy verifies nothing (``w = 0``; that
-step's draft pass was paid, as the policy decides after it), skips the draft pass from the next
-step on (:meth:`AdaptivePolicy.skip`: the drafter only observes) and re-probes the whole draft
-after ``probe_every`` such steps, doubling the gap while drafting keeps not paying.
+policy tries it once and learns). Measured costs are as noisy as the machine: on a busy one a step
+takes anywhere from one to several times its quiet time, and an average of such steps can make
+drafting look cheaper than it is. So drafting's costs (the draft pass, a block wider than plain
+decoding's) are weighed at an upper confidence bound, ``caution`` standard errors of the average
+above it (:class:`Cautious`, :meth:`MeasuredCosts.noise`), plain decoding's at the estimate: noise
+moves the choice towards fewer drafts or none, never towards more. When drafting cannot pay (plain
+decoding, which skips the draft pass, expects more tokens per second than the best width with it),
+the policy verifies nothing (``w = 0``; that step's draft pass was paid, as the policy decides
+after it), skips the draft pass from the next step on (:meth:`AdaptivePolicy.skip`: the drafter
+only observes) and re-probes the whole draft after ``probe_every`` such steps, doubling the gap
+while drafting keeps not paying.
 
 :class:`PrefixPolicy` is DSpark's prefix scheduler (below :func:`schedule`): a chain's confidences
 admitted draft by draft under one budget for the batch, and a draft pass skipped altogether
@@ -39,6 +45,7 @@ that reports a confidence or a q.
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -54,7 +61,7 @@ from specdec.types import DraftProposal, node_depths
 if TYPE_CHECKING:
     from specdec.sampling import RowSampling
 
-__all__ = ["pinned_rows", "Costs", "StepCosts", "MeasuredCosts", "DraftPolicy", "AdaptivePolicy", "PrefixPolicy", "best_lengths",
+__all__ = ["pinned_rows", "Costs", "StepCosts", "MeasuredCosts", "Cautious", "DraftPolicy", "AdaptivePolicy", "PrefixPolicy", "best_lengths",
            "schedule", "survival", "best_throughput", "profile_step_costs", "make_policy", "POLICIES"]
 
 _HOST = torch.device("cpu")  # the policy's statistics and choices are small: kept and computed on the host
@@ -123,19 +130,45 @@ class MeasuredCosts:
     """Step costs measured as the loop runs: a moving average per block size (verify) and per row
     count (draft). Optimistic where nothing was measured: a larger block costs what the largest
     measured one did, a smaller one its share of the smallest measured (proportional to tokens);
-    in between, linear interpolation. With no measurement every size costs the same."""
+    in between, linear interpolation. With no measurement every size costs the same.
+
+    Each average keeps its spread too (a moving average of the squares): :meth:`noise` is how far
+    an average itself may be off, relative to it, the machine's noise (a busy machine's timings
+    jump with the other work) as the policy's caution (:class:`Cautious`)."""
 
     def __init__(self, smoothing: float = 0.3):
         self.smoothing = smoothing  # weight of a new measurement in the moving average
         self.verify_s: dict[int, float] = {}  # block tokens -> seconds
         self.draft_s: dict[int, float] = {}  # rows -> seconds
+        self._squares: dict[tuple[str, int], float] = {}  # (table, size) -> moving average of seconds²
+        self._count: dict[tuple[str, int], int] = {}  # (table, size) -> measurements
 
     def record(self, rows: int, tokens: int, draft_s: float | None, verify_s: float) -> None:
         """One step's times; ``draft_s`` None when the step drafted nothing (its draft time is not
         a draft pass's)."""
-        for table, key, x in ((self.verify_s, tokens, verify_s), (self.draft_s, rows, draft_s)):
-            if x is not None:
-                table[key] = x if key not in table else (1 - self.smoothing) * table[key] + self.smoothing * x
+        s = self.smoothing
+        for name, table, key, x in (("verify", self.verify_s, tokens, verify_s), ("draft", self.draft_s, rows, draft_s)):
+            if x is None:
+                continue
+            slot = (name, key)
+            if key not in table:
+                table[key], self._squares[slot], self._count[slot] = x, x * x, 1
+            else:
+                table[key] = (1 - s) * table[key] + s * x
+                self._squares[slot] = (1 - s) * self._squares[slot] + s * x * x
+                self._count[slot] += 1
+
+    def noise(self) -> float:
+        """The standard error of a moving average relative to it, the largest over the sizes
+        measured at least twice (0 before): the measurements' coefficient of variation times
+        ``sqrt(smoothing / (2 - smoothing))``, the spread of a moving average of independent draws."""
+        worst = 0.0
+        for (name, key), n in self._count.items():
+            mean = (self.verify_s if name == "verify" else self.draft_s)[key]
+            if n >= 2 and mean > 0:
+                sd = math.sqrt(max(self._squares[(name, key)] - mean * mean, 0.0))
+                worst = max(worst, sd / mean)
+        return worst * math.sqrt(self.smoothing / (2 - self.smoothing))
 
     def verify(self, tokens: float) -> float:
         return self._lookup(self.verify_s, tokens)
@@ -153,6 +186,23 @@ class MeasuredCosts:
         if x <= xs[0]:
             return table[xs[0]] * x / xs[0]
         return _interp([float(v) for v in xs], [table[v] for v in xs], x)
+
+
+class Cautious:
+    """Costs as a policy should weigh them when they are noisy: drafting (a draft pass, a block wider
+    than ``plain`` tokens) at an upper confidence bound, ``(1 + z·noise)`` times the estimate, plain
+    decoding (``plain`` tokens, no draft) at the estimate. Noise can then only move a choice towards
+    fewer drafts, never away from them; with quiet costs (``noise`` 0) it is the estimate itself."""
+
+    def __init__(self, costs: Costs, plain: int, noise: float, z: float = 2.0):
+        self.costs, self.plain, self.factor = costs, plain, 1 + z * max(noise, 0.0)
+
+    def verify(self, tokens: float) -> float:
+        t = self.costs.verify(tokens)
+        return t if tokens <= self.plain else t * self.factor
+
+    def draft(self, rows: float) -> float:
+        return self.costs.draft(rows) * self.factor
 
 
 def best_lengths(survival: Tensor, levels: Tensor, costs: Costs, draft_optional: bool = False) -> Tensor:
@@ -236,15 +286,19 @@ class AdaptivePolicy(DraftPolicy):
     BINS: ClassVar[int] = 10  # confidence calibration bins over [0, 1]
 
     def __init__(self, costs: Costs | None = None, prior: float = 0.5, prior_weight: float = 2.0,
-                 memory: float = 0.9, global_memory: float = 0.99, probe_every: int = 4, max_probe_gap: int = 64):
+                 memory: float = 0.9, global_memory: float = 0.99, probe_every: int = 4, max_probe_gap: int = 64,
+                 caution: float = 2.0):
         if not 0 < prior <= 1 or prior_weight <= 0 or not 0 < memory <= 1 or not 0 < global_memory <= 1:
             raise ValueError("AdaptivePolicy needs 0 < prior <= 1, prior_weight > 0 and memories in (0, 1]")
+        if not (isinstance(caution, (int, float)) and math.isfinite(caution) and caution >= 0):
+            raise ValueError(f"AdaptivePolicy needs a finite caution >= 0 (standard errors of the cost), got {caution!r}")
         if not 1 <= probe_every <= max_probe_gap:
             raise ValueError(f"AdaptivePolicy needs 1 <= probe_every <= max_probe_gap, got {probe_every}, {max_probe_gap}")
         self.costs = costs if costs is not None else MeasuredCosts()
         self.prior, self.prior_weight = prior, prior_weight  # acceptance before any observation, and its weight
         self.memory, self.global_memory = memory, global_memory  # per-step decay of a request's / all counts
         self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
+        self.caution = float(caution)  # drafting's costs weighed at this many standard errors above their estimate
         self.tested = torch.zeros(0, dtype=torch.float64, device=_HOST)  # [K] over every request seen: the shrinkage target
         self.accepted = torch.zeros(0, dtype=torch.float64, device=_HOST)
         self.cal_tested = torch.zeros(self.BINS, dtype=torch.float64, device=_HOST)  # per confidence bin
@@ -267,7 +321,10 @@ class AdaptivePolicy(DraftPolicy):
             c = self._calibrated(conf)[:, :K]
         else:
             c = self._acceptance(state, requests)[:, :K]
-        lengths = best_lengths(c.cumprod(1), levels, self.costs, draft_optional=True)
+        B = proposal.tokens.shape[0]
+        noise = self.costs.noise() if isinstance(self.costs, MeasuredCosts) else 0.0
+        costs = Cautious(self.costs, B, noise, self.caution) if noise > 0 else self.costs
+        lengths = best_lengths(c.cumprod(1), levels, costs, draft_optional=True)
         if int(lengths.max()) == 0 and int(levels[:, -1].max()) > 0:  # drafting does not pay: probe now and then
             state.idle += 1
             state.off = self.costs.draft(proposal.tokens.shape[0]) > 0  # skipping a free draft pass saves nothing

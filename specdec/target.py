@@ -46,6 +46,7 @@ from specdec.few_rows import PACK_BUDGET, Plan, autotune, few_rows, install, pla
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
 from specdec.target_cache import StoreCache
+from specdec.transformers_versions import CACHE_ARG, cache_kwargs
 from specdec.types import Requirements, chain_parents, padded_ids
 from specdec.validate import as_int
 
@@ -316,8 +317,18 @@ class Target:
         final hidden state [B, T, D] (``target.logits`` of it gives the target's logits)."""
         if any(not 0 <= i <= self.num_layers for i in layer_inputs):
             raise ValueError(f"hidden-state ids {list(layer_inputs)} outside [0, {self.num_layers}]")
-        out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
-        return {i: out.hidden_states[i] for i in layer_inputs}, out.last_hidden_state
+        # transformers' last hidden_states entry is taken after the final norm; id L is the norm's
+        # input, as the loop's hooks capture it, so it is read from a pre-hook on the norm.
+        pre_norm: list[Tensor] = []
+        hook = (self.final_norm.register_forward_pre_hook(lambda m, args: pre_norm.append(args[0]))
+                if self.num_layers in layer_inputs else None)
+        try:
+            out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        finally:
+            if hook is not None:
+                hook.remove()
+        return ({i: pre_norm[0] if i == self.num_layers else out.hidden_states[i] for i in layer_inputs},
+                out.last_hidden_state)
 
     def hidden(self, tokens: Tensor) -> Tensor:
         """The post-norm final hidden state of a cache-free forward over ``tokens`` [B, T] → [B, T, D],
@@ -398,9 +409,13 @@ class Target:
                 input_ids=tokens.to(self.device),
                 attention_mask=plan.attention_mask,
                 position_ids=plan.position_ids,
-                cache=self.kv_cache(session.cache),
+                **cache_kwargs(self.kv_cache(session.cache)),
                 use_cache=True,
             )
+            if session.cache.block_writes == 0:
+                raise RuntimeError(
+                    f"{type(self.decoder).__name__} wrote no K/V into the store: its forward does not take the "
+                    f"cache as {CACHE_ARG}= (see specdec.transformers_versions), so it attended to this block alone")
             h = out.last_hidden_state
             if logits_rows is not None:
                 h = h.gather(1, logits_rows.to(self.device).unsqueeze(-1).expand(-1, -1, h.shape[-1]))
@@ -428,7 +443,8 @@ class Target:
 
     def tune(self, force: bool = False) -> None:
         """Tune the few-row plan for this machine now (:func:`specdec.few_rows.autotune`: read from
-        the cache, else measured once and cached), so that no timed run measures."""
+        the cache and spot-checked, else measured once and cached; never on a busy machine), so
+        that no timed run measures."""
         if self.takes_row_plan():
             autotune(self.model, packed=self.pack, force=force)
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from specdec.kv import KVStore
+from specdec.transformers_versions import CacheLayer
 
 __all__ = ["StoreCache"]
 
 
-class _StoreLayer(CacheLayerMixin):
+class _StoreLayer(CacheLayer):
     """Layer ``index`` of a store, as a transformers cache layer."""
 
     is_sliding = False  # the window is in the store's mask, never in the cache
@@ -40,9 +41,6 @@ class _StoreLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.store.num_slots
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class _EagerWritesLayer(_StoreLayer):

@@ -139,6 +139,20 @@ def drafter_case(request, target):
         assert any(bool((p.num_valid > 0).any()) for p in drafter.proposals), "the scheduler never verified a draft"
 
 
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """A quiet machine for the few-row tuner (specdec.few_rows): no other load, whatever else runs on
+    the tests' own machine, and a cached plan's spot check finding its products as fast as when they
+    were tuned. A test plants other load (``["load"]``) or a slow product (``["spot"]``) by changing
+    these."""
+    from specdec import few_rows as fr
+
+    machine = {"load": 0.0, "spot": lambda model, plan: {r: (0.5, 1.0) for r in plan if r in fr.ROW_COUNTS}}
+    monkeypatch.setattr(fr, "other_load", lambda own_threads=0, running_s=0.0: machine["load"])
+    monkeypatch.setattr(fr, "spot_check", lambda model, plan, reps=3: machine["spot"](model, plan))
+    return machine
+
+
 @pytest.fixture(autouse=True)
 def _lossy_warnings_as_in_a_fresh_process():
     """A lossy verifier warns once per process (specdec.loop); each test starts as a new process would,

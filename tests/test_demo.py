@@ -99,7 +99,10 @@ def no_model(monkeypatch):
     (["--prompt", "  "], "--prompt is empty"),
     (["--k", "two"], "invalid int value"),
     (["--drafter", "ngarm"], "'ngarm' is not offered; the demo offers: ngram, suffix"),
-    (["--drafter", "dflash"], "checkpoint 'smollm2-135m-dflash' is not committed.*make it with: .*run.py --config-name train/"),
+    (["--drafter", "dflash"], "checkpoint 'smollm2-135m-dflash' is not committed.*make it, from the repository root,"
+                              " with: .*python experiments/run.py --config-name train/.*recorded: 15.7 minutes on 1 CPU thread"),
+    (["--k", "100000"], "--k 100000 with --max-new-tokens 96 cannot fit SmolLM2-135M's context window of 8192"),
+    (["--max-new-tokens", "8192"], "--max-new-tokens 8192 cannot fit"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(argv, message, no_model, capsys):
     with pytest.raises(SystemExit) as e:
@@ -139,13 +142,14 @@ def fake_run(monkeypatch):
                                                         "plan": {"2": "mm"}})
         return SimpleNamespace(summary=summary, tokens=[[5, 6]], texts=["text"])
 
-    monkeypatch.setattr(specdec, "load_target", lambda *a, **kw: SimpleNamespace())
+    monkeypatch.setattr(specdec, "load_target", lambda *a, **kw: SimpleNamespace(takes_row_plan=lambda: False,
+                                                                                 tune=lambda: None))
     monkeypatch.setattr(specdec, "make_drafter", lambda *a, **kw: SimpleNamespace(name="ngram"))
     monkeypatch.setattr(specdec, "generate", generate)
     return calls
 
 
-def test_the_demo_warms_up_then_interleaves_and_reports_median_and_spread(fake_run, capsys):
+def test_the_demo_warms_up_then_interleaves_and_reports_median_and_spread(fake_run, quiet_machine, capsys):
     main(["--repeats", "4"])
     warm = [c for c in fake_run if c[1] != 96]
     timed = [c[0] for c in fake_run if c[1] == 96]
@@ -153,12 +157,77 @@ def test_the_demo_warms_up_then_interleaves_and_reports_median_and_spread(fake_r
     assert timed == ["ar", "spec", "spec", "ar", "ar", "spec", "spec", "ar"]  # interleaved, order alternating
     out = capsys.readouterr().out
     assert "4 rounds, interleaved" in out and "verdict        : faster" in out and "per round" in out
-    assert "few-row plan (cached): 2: mm" in out and "identical to autoregressive output: True" in out
+    assert "few-row plan: 2: mm\n  (cached; measuring conditions not recorded; re-tune: specdec-autotune --force)" in out
+    assert "identical to autoregressive output: True" in out and "load: other load 0.0 before the rounds" in out
 
 
-def test_the_json_baseline_has_no_k(fake_run, capsys):
+def test_the_json_baseline_has_no_k(fake_run, quiet_machine, capsys):
     main(["--json", "--repeats", "2", "--k", "3"])
     out = json.loads(capsys.readouterr().out)
     assert out["k"] == 3 and out["rounds"] == 2 and len(out["speedups"]) == 2 and out["verdict"] == "faster"
-    assert "k" not in out["autoregressive"]["last"] and out["speculative"]["last"]["k"] == 3
+    assert "k" not in out["autoregressive"]["median_round"] and out["speculative"]["median_round"]["k"] == 3
+    assert out["load"]["before"] == 0.0 and out["load"]["threads"] >= 1
     assert out["few_rows"]["source"] == "cached" and len(out["autoregressive"]["tokens_per_s"]) == 2
+
+
+def test_no_verdict_while_the_machine_is_busier_than_the_threads_the_demo_uses(fake_run, quiet_machine, capsys):
+    from specdec.few_rows import cores_available
+
+    quiet_machine["load"] = cores_available() + 1.0  # a busy loop per core and one more
+    main(["--repeats", "3"])
+    out = capsys.readouterr().out
+    assert "verdict        : busy: no verdict: the machine is busy" in out and "faster" not in out
+    assert "(on a busy machine: not a verdict)" in out and "rerun when the machine is quieter" in out
+    assert demo.load_verdict(0.0, 0.0, threads=1, cores=2) is None
+    assert demo.load_verdict(0.2, 1.8, threads=1, cores=2)[0] == "busy"  # busy by the end is busy
+    assert demo.load_verdict(0.0, 0.6, threads=2, cores=2)[0] == "busy"  # every core ours: any other load is too much
+    assert demo.load_verdict(float("nan"), float("nan"), threads=2, cores=2) is None  # no load average: not known busy
+
+
+def _summary(base, tps, draft_ms=0.0, verify_ms=10.0, tau=1.0):
+    return replace(base, tokens_per_s=tps, draft_ms_per_step=draft_ms, verify_ms_per_step=verify_ms,
+                   mean_accepted_length=tau)
+
+
+def test_the_verdict_and_the_cost_breakdown_come_from_the_same_round_and_never_disagree():
+    """Many random sets of rounds: the verdict's median is the median round's speedup, and the cost
+    lines from that round say "pays" exactly when it is above 1, never against a verdict."""
+    import random
+
+    from specdec.target import Target
+    from specdec.testing.tiny import tiny_model
+
+    real = specdec.generate(Target(tiny_model("llama", vocab_size=32)), [[1, 2, 3]], None, max_new_tokens=2).summary
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 6)
+        base = [_summary(real, rng.uniform(10, 30), verify_ms=rng.uniform(20, 60)) for _ in range(n)]
+        spec = [_summary(real, rng.uniform(8, 45), draft_ms=rng.uniform(1, 20), verify_ms=rng.uniform(25, 80),
+                         tau=rng.uniform(1, 3)) for _ in range(n)]
+        speedups = [s.tokens_per_s / b.tokens_per_s for b, s in zip(base, spec)]
+        outcome, why = verdict(speedups)
+        mid = demo.median_round(speedups)
+        assert f"median {speedups[mid]:.2f}x" in why
+        lines = demo.costs(spec[mid], base[mid], outcome)
+        need = float(lines[0].rsplit("= ", 1)[1].split()[0])
+        assert need == pytest.approx(spec[mid].mean_accepted_length / speedups[mid], rel=1e-2, abs=1e-2)
+        pays = "speculation pays" in lines[1]
+        assert pays == (speedups[mid] > 1)
+        assert not (outcome == "faster" and not pays) and not (outcome == "slower" and pays)
+        if outcome == "undecided":
+            assert "the rounds disagree" in lines[1]
+
+
+def test_the_demo_says_it_tunes_only_when_it_does(monkeypatch, capsys, quiet_machine):
+    from specdec import few_rows as fr
+
+    tuned = []
+    target = SimpleNamespace(takes_row_plan=lambda: True, model=object(), pack=True, tune=lambda: tuned.append(1))
+    monkeypatch.setattr(specdec, "load_target", lambda *a, **kw: target)
+    say = lambda *a: print(*a)  # noqa: E731
+    for cached, load, said in ((None, 0.0, True), ({2: "mm"}, 0.0, False), (None, fr.cores_available() + 1.0, False)):
+        monkeypatch.setattr(fr, "cached_plan", lambda model, packed=True: cached)
+        quiet_machine["load"] = load  # busy: autotune will not tune, so the demo does not say it does
+        assert demo._load(specdec, None, say) is target
+        assert ("tuning the few-row plan" in capsys.readouterr().out) is said
+    assert tuned == [1, 1, 1]  # a cached plan is still spot-checked, a busy machine told why (Target.tune)

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 # the whole drafter a user writes: a deterministic chain that repeats the anchor token
 DRAFTER = '''
 from typing import Any
@@ -91,3 +93,19 @@ def test_the_conformance_suite_runs_on_an_external_drafter(tmp_path):
                           "-k", "greedy_equals_target"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0 and " passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("my_pkg.mod:MyDrafter", "no module named 'my_pkg' in this environment"),
+    ("specdec.drafters:NoSuchDrafter", "module 'specdec.drafters' has no 'NoSuchDrafter'"),
+    ("ngarm", "unknown drafter 'ngarm'"),
+])
+def test_a_drafter_the_plugin_cannot_find_is_one_line_with_the_fix(tmp_path, spec, says):
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "specdec.testing.plugin",
+                          "--specdec-drafter", spec, "--pyargs", "specdec.testing.conformance"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    text = (out.stdout + out.stderr).strip()
+    assert out.returncode == 4 and "INTERNALERROR" not in text and "Traceback" not in text, text[-2000:]
+    assert len(text.splitlines()) == 1 and text.startswith(f"ERROR: --specdec-drafter") and says in text, text
+    if spec.startswith("my_pkg"):
+        assert "pip install -e ." in text

@@ -2,6 +2,8 @@
 rounding, taken only inside its block, for the row counts the plan names, of float32 on the CPU
 outside autograd; the plan is tuned per model, thread count and packing choice (tests/test_autotune.py), or pinned."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from specdec import few_rows as fr
 from specdec.few_rows import MARGIN, MM_ROWS, ROW_COUNTS, choose, few_rows, install, packing_available, pin, plan_for
+from specdec.transformers_versions import cache_kwargs
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed inner product")
 
@@ -141,7 +144,7 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_plans_are_tuned_once_per_thread_count_and_packing_choice(monkeypatch, threads, tmp_path):
+def test_plans_are_tuned_once_per_thread_count_and_packing_choice(monkeypatch, threads, tmp_path, quiet_machine):
     calls = []
 
     def fake(model, packed=True):
@@ -163,7 +166,7 @@ def test_plans_are_tuned_once_per_thread_count_and_packing_choice(monkeypatch, t
 
 
 @needs_packing
-def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads, tmp_path):
+def test_packed_copies_no_row_count_takes_are_dropped(monkeypatch, threads, tmp_path, quiet_machine):
     real = fr.measure
 
     def never_packed(model, packed=True):
@@ -249,7 +252,7 @@ def test_the_target_verifies_a_block_with_it_only_on_its_fast_path(fast, plan):
     assert used == ["mm" if fast and 3 in plan else "linear"] * linears
     calls = _Calls()
     with torch.inference_mode(), calls:
-        want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=DynamicCache()).logits[:, 4:]
+        want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), **cache_kwargs(DynamicCache())).logits[:, 4:]
     assert "mm" not in calls.names
     torch.testing.assert_close(logits, want.float(), rtol=1e-4, atol=1e-4)
 
@@ -294,3 +297,23 @@ def test_a_target_whose_machine_chose_nothing_leaves_its_layers_alone():
     target.forward(session, torch.tensor([[6, 7]]))
     wrapped = [m.__dict__.get("forward") for m in model.modules() if type(m) is nn.Linear]
     assert all(isinstance(f, fr._FewRowForward) for f in wrapped)
+
+
+def test_the_load_less_our_own_share_and_when_it_is_busy(monkeypatch):
+    monkeypatch.setattr(fr.os, "getloadavg", lambda: (3.0, 2.0, 1.0))
+    assert fr.other_load() == 3.0
+    assert fr.other_load(own_threads=2, running_s=60) == pytest.approx(3.0 - 2 * (1 - math.exp(-1)))
+    assert fr.other_load(own_threads=8, running_s=600) == 0.0
+    assert not fr.busy(1, 0.4, cores=2) and not fr.busy(1, 1.5, cores=2) and fr.busy(1, 1.6, cores=2)
+    assert fr.busy(2, 0.6, cores=2) and not fr.busy(2, float("nan"), cores=2)
+
+
+def test_measure_records_the_spread_of_its_repeats_and_the_spot_check_times_only_the_plans_products():
+    model = _model()
+    times = fr.measure(model, row_counts=(1, 9), reps=3, packed=False)
+    assert isinstance(times, fr.Times) and times.repeats == 3
+    assert {r: sorted(t) for r, t in times.spreads.items()} == {r: sorted(t) for r, t in times.items()}
+    assert fr.spread(times) == max(x for t in times.spreads.values() for x in t.values()) >= 0
+    assert fr.spread({1: {"linear": 1.0}}) is None
+    checked = fr.spot_check(model, {2: "mm", 9: "packed", 10: "packed"} if fr.packing_available() else {2: "mm"})
+    assert set(checked) == {2} and all(s > 0 for pair in checked.values() for s in pair)  # 9, 10: not measured counts

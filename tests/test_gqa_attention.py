@@ -12,6 +12,7 @@ from specdec import gqa_attention
 from specdec.gqa_attention import _GroupedSDPA, grouped, packed_rows
 from specdec.target import Target
 from specdec.testing.tiny import tiny_model
+from specdec.transformers_versions import cache_kwargs
 
 
 class _SDPA(TorchFunctionMode):
@@ -45,7 +46,7 @@ def test_a_verified_block_reads_grouped_heads_with_transformers_values(parents, 
     assert all(c == ((False, 2, 2, 6) if fast else (False, 4, 4, 3)) for c in spy.calls), spy.calls
     if parents is None:  # transformers over the same tokens, its own causal attention
         with torch.inference_mode():
-            want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=DynamicCache()).logits[:, 5:]
+            want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]), **cache_kwargs(DynamicCache())).logits[:, 5:]
     else:  # the general path: transformers' attention, which repeats the heads
         general = Target(model, fast=False)
         other = general.new_session(1)
@@ -62,8 +63,8 @@ def test_outside_the_block_or_where_it_does_not_apply_it_is_transformers_own():
     spy = _SDPA()
     cache = DynamicCache()
     with torch.inference_mode(), spy:
-        model(input_ids=torch.tensor([[1, 2, 3, 4]]), cache=cache)
-        model(input_ids=torch.tensor([[5, 6]]), cache=cache)  # masked multi-query block, not in grouped()
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]), **cache_kwargs(cache))
+        model(input_ids=torch.tensor([[5, 6]]), **cache_kwargs(cache))  # masked multi-query block, not in grouped()
     layers = model.config.num_hidden_layers  # the masked block's calls: KV heads repeated, as transformers does
     assert len(spy.calls) == 2 * layers and spy.calls[layers:] == [(False, 4, 4, 2)] * layers
     q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 6, 8)
@@ -127,5 +128,5 @@ def test_families_with_other_attention_keep_their_values():
         target.prefill(session, [[1, 2, 3, 4, 5, 6]])
         got = target.forward(session, torch.tensor([[7, 8, 9]])).logits
         with torch.inference_mode():
-            want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]]), cache=DynamicCache()).logits[:, 6:]
+            want = model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]]), **cache_kwargs(DynamicCache())).logits[:, 6:]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=family)

@@ -114,6 +114,55 @@ def test_a_run_of_an_unmade_checkpoint_stops_first_naming_its_command(elsewhere)
     unmade = uncommitted_checkpoints()
     if "smollm2-135m-mtp" not in unmade:
         pytest.skip("smollm2-135m-mtp was made in this checkout")
-    with pytest.raises(SystemExit, match="smollm2-135m-mtp: python experiments/run.py --config-name train/smollm2_mtp"):
+    with pytest.raises(SystemExit, match=r"checkpoint 'smollm2-135m-mtp', recorded but not committed; make it first, from"
+                                         r" the repository root, with: \S*python experiments/run.py --config-name train/smollm2_mtp"):
         entry.check_made(run)
     entry.check_made(entry.to_run_config(compose(config_name="ngram_sweep")))  # nothing to make: no stop
+
+
+def test_a_preset_naming_an_uncommitted_checkpoint_stops_in_one_line_with_a_runnable_command_and_its_time(tmp_path):
+    """Before the target loads: one line (no Hydra traceback) whose command runs as printed (this
+    interpreter, not a bare ``python``) and says how long it took when it was recorded."""
+    import subprocess
+    import sys
+
+    from specdec.models import python_command, remake_time
+
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "experiments" / "run.py"), "--config-name", "posthoc_mtp",
+                          f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr, lines
+    assert len(lines) == 1 and lines[0].startswith("this run reads checkpoint 'smollm2-135m-mtp', recorded but not"
+                                                   " committed; make it first, from the repository root, with: ")
+    command = uncommitted_checkpoints()["smollm2-135m-mtp"][0]
+    assert command in lines[0] and remake_time("smollm2-135m-mtp") in lines[0]
+    assert "recorded: 71.8 minutes on 1 CPU thread" in lines[0]  # its training.json's wall_seconds, 4306.6 s
+    for part in command.split(" && "):
+        exe = part.split()[0]
+        assert exe == python_command() and exe != "python" and ((REPO_ROOT / exe).exists() or Path(exe).exists()), part
+    assert "Loading weights" not in out.stderr  # refused before the target loaded
+
+
+def test_a_runs_header_names_the_k_its_methods_draft_at_not_the_default_they_override(elsewhere):
+    spec = importlib.util.spec_from_file_location("specdec_report_ks", REPO_ROOT / "experiments" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    _describe = report.describe
+    entry = _entry()
+    native = entry.to_run_config(compose(config_name="native_mtp"))
+    assert native.num_speculative_tokens == 4 and "k = 1..6," in _describe(native)  # its jobs: k = 1..6
+    assert "k = 1, 2, 4, 8," in _describe(entry.to_run_config(compose(config_name="adaptive_k")))
+    assert "k = 8," in _describe(entry.to_run_config(compose(config_name="ngram_vs_prompt_lookup")))
+
+
+def test_preset_steps_counts_each_sweeps_jobs_and_the_steps_its_methods_decode(elsewhere):
+    """The basis of docs/experiments.md's run times: ngram_sweep's 3 k x 4 concurrencies are 12 jobs,
+    each the ngram method and the baseline over 8 MT-bench first turns, 64 new tokens, c rows a step."""
+    spec = importlib.util.spec_from_file_location("specdec_preset_steps", REPO_ROOT / "experiments" / "benchmarks" / "preset_steps.py")
+    steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    to_run_config = _entry().to_run_config
+    run = to_run_config(compose(config_name="ngram_sweep"))
+    per_c = {c: 2 * -(-run.dataset.num_prompts // c) * run.dataset.output_len for c in (1, 2, 4, 8)}
+    assert steps.preset_steps("ngram_sweep", to_run_config) == (12, 3 * sum(per_c.values()))
+    assert steps.preset_steps("roofline", to_run_config) == (1, None)

@@ -50,3 +50,18 @@ def test_drafter_options_without_a_named_drafter_are_refused_not_ignored():
     out = specdec.generate(target, [[1, 2, 3]], "ngram", max_new_tokens=2, max_ngram=2,
                            sampling=specdec.SamplingParams(temperature=0.7, seed=0))
     assert len(out.tokens[0]) == 2
+
+
+def test_the_readmes_training_times_are_those_the_checkpoints_record():
+    """The range of CPU minutes the README gives is the one the SmolLM2 checkpoints' training.json
+    files record (``wall_seconds``), so a new or retrained checkpoint that moves it fails here."""
+    import json
+    import re
+
+    from specdec.paths import REPO_ROOT
+
+    minutes = [json.loads(p.read_text())["wall_seconds"] / 60
+               for p in (REPO_ROOT / "experiments" / "checkpoints").glob("smollm2-135m-*/training.json")]
+    said = re.search(r"(\d+\.\d)–(\d+\.\d) CPU minutes each", (REPO_ROOT / "README.md").read_text())
+    assert said is not None and minutes
+    assert (float(said[1]), float(said[2])) == (round(min(minutes), 1), round(max(minutes), 1)), (said[0], minutes)

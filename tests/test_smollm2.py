@@ -16,6 +16,9 @@ CODE_PROMPT = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\nde
 def test_resolves_offline_to_the_real_model(smollm2):
     assert smollm2.num_layers == 30 and smollm2.vocab_size == 49152 and smollm2.hidden_size == 576
     assert smollm2.tokenizer.decode(smollm2.tokenizer.encode("hello world")) == "hello world"
+    from specdec.eval.demo import TARGET_CONTEXT
+
+    assert smollm2.max_positions == TARGET_CONTEXT  # the demo refuses what cannot fit before loading the model
 
 
 def test_ngram_greedy_equals_target_greedy_and_accepts(smollm2):

@@ -410,5 +410,5 @@ def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monke
     package(runs, "mtp", 2, root / "smollm2-135m-mtp", weights=False)
     monkeypatch.setattr(models, "_checkpoint_root", lambda: root)
     command, out = models.uncommitted_checkpoints()["smollm2-135m-mtp"]
-    assert command.startswith("python experiments/run.py --config-name lab/store") and command.count(" && ") == 3
+    assert command.startswith(f"{models.python_command()} experiments/run.py --config-name lab/store") and command.count(" && ") == 3
     assert out == str(root / "smollm2-135m-mtp")  # the chain's last part writes the recorded folder

@@ -11,12 +11,13 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdec.target import Target, layer_output_ids
 from specdec.testing.tiny import FAMILIES, tiny_model
+from specdec.transformers_versions import cache_kwargs
 from specdec.types import Requirements, chain_parents, padded_ids
 
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids]), cache=DynamicCache()).logits[0].float()
+        return model(input_ids=torch.tensor([ids]), **cache_kwargs(DynamicCache())).logits[0].float()
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -126,6 +127,22 @@ def test_captured_features_are_layer_inputs(family_target):
     torch.testing.assert_close(t.final_norm(out.hidden[L]), ref[L], atol=1e-5, rtol=1e-5)
 
 
+def test_cache_free_features_agree_with_the_loops_hooks_at_every_id(family_target):
+    """``features`` serves training (the store, online featurizing) and the hooks serve decoding:
+    a drafter trained on one and run on the other must see the same tensor at every id, the last
+    layer's output (before the final norm) included."""
+    t = family_target
+    L = t.num_layers
+    ids = [3, 1, 4, 1, 5]
+    with t.capturing(Requirements(layer_inputs=(0, 1, L), final_hidden=True)):
+        out, _, _ = t.prefill(t.new_session(1), [ids])
+    with torch.inference_mode():
+        feats, final = t.features(torch.tensor([ids]), (0, 1, L))
+    for i in (0, 1, L):
+        torch.testing.assert_close(feats[i], out.hidden[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, out.final_hidden, atol=1e-5, rtol=1e-5)
+
+
 def test_layer_ids_are_checked_and_converted():
     t = Target(tiny_model("llama", vocab_size=32))
     with pytest.raises(ValueError, match="layer id 7"):
@@ -169,7 +186,7 @@ def test_new_layers_are_built_like_the_layer_they_imitate(family_target):
         plan = store.plan(chain_parents(3))
         mask = plan.attention_mask[spec.layer_type] if isinstance(plan.attention_mask, dict) else plan.attention_mask
         with torch.inference_mode():
-            out = layer(x, attention_mask=mask, position_ids=plan.position_ids, cache=t.kv_cache(store),
+            out = layer(x, attention_mask=mask, position_ids=plan.position_ids, **cache_kwargs(t.kv_cache(store)),
                         use_cache=True, position_embeddings=t.rotary(x, plan.position_ids, spec.layer_type))
         store.commit(torch.ones(1, 3, dtype=torch.bool))
         assert (out[0] if isinstance(out, tuple) else out).shape == x.shape

@@ -16,6 +16,7 @@ from torch import nn
 from specdec.drafter import Drafter
 from specdec.drafters.dflash.drafter import DFlashDrafter
 from specdec.target import Target
+from specdec.transformers_versions import require
 
 __all__ = ["to_transformers", "transformers_peer"]
 
@@ -24,6 +25,7 @@ _RENAME = {"fc.": "encoder.fc.", "hidden_norm.": "encoder.output_norm_enc."}
 
 def to_transformers(drafter: DFlashDrafter) -> nn.Module:
     """A transformers DFlash draft model holding this drafter's weights (full attention, sdpa)."""
+    require("MuseGlimmerAssistantModel (DFlash)")
     from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import (
         MuseGlimmerAssistantConfig,
     )
@@ -50,4 +52,5 @@ def transformers_peer(target: Target, drafter: Drafter | None, k: int) -> dict[s
     weights. It drafts a whole block (``block_size - 1`` tokens) whatever ``k``."""
     if not isinstance(drafter, DFlashDrafter):
         raise ValueError("hf_compare 'dflash' runs the dflash drafter's weights: use drafter=dflash")
+    require("MuseGlimmerAssistantModel (DFlash)")
     return {"assistant_model": to_transformers(drafter), "speculation_type": "dflash"}

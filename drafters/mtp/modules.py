@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.target import Target
+from specdec.transformers_versions import cache_kwargs
 
 __all__ = ["MTPModule", "build_mtp_modules"]
 
@@ -34,7 +35,7 @@ class MTPModule(nn.Module):
         """embeds, hidden [B, W, D] → (block output, its shared_head.norm) [B, W, D] each;
         ``cache`` is a store as :meth:`specdec.target.Target.kv_cache` hands it to the block."""
         x = self.draft_input(embeds, hidden)
-        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        out = self.mtp_block(x, attention_mask=attention_mask, position_ids=position_ids, **cache_kwargs(cache),
                              use_cache=cache is not None, position_embeddings=position_embeddings)
         out = out[0] if isinstance(out, tuple) else out
         return out, self.shared_head.norm(out)

@@ -11,6 +11,7 @@ from typing import Any
 from specdec.drafter import Drafter
 from specdec.drafters.mtp.drafter import MTPDrafter
 from specdec.target import Target
+from specdec.transformers_versions import require
 
 __all__ = ["transformers_peer"]
 
@@ -20,6 +21,7 @@ def transformers_peer(target: Target, drafter: Drafter | None, k: int) -> dict[s
     checkpoint has modules, whatever ``k``."""
     if not isinstance(drafter, MTPDrafter):
         raise ValueError("hf_compare 'mtp' runs the mtp drafter's checkpoint: use drafter=mtp")
+    require("generate(use_mtp=True)")
     # A transformers limitation: it finds the MTP weights through `_keys_to_ignore_on_load_unexpected`,
     # which DeepSeek-V3 hard-codes to the 671B layout (model.layers.61). Point it at this target's layers.
     L = target.num_layers

@@ -14,6 +14,7 @@ lists each mode's parameters; ``experiments/run.py``'s ``LAB_MODES`` maps a mode
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
 - ``eagle3_chain_estimate``: an EAGLE-3 head's training-time estimate against decoding.
 - ``eagle3_serving``: the vLLM / SGLang settings that serve an EAGLE-3 checkpoint.
+- ``preset_steps``: the target steps each preset decodes, the basis of its run time, no clock.
 
 Every timing goes through :mod:`specdec.timing`. The decoding questions themselves (which drafter,
 which k, which context) are presets of the one runner, ``experiments/run.py --config-name

@@ -32,13 +32,17 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    the block is dropped after each forward and the store marked dense again, so every timed
    forward runs without a mask, as plain decoding does.
 3. **planted**: end-to-end greedy decoding on that target at concurrency 1, 4, 16, 64 with
-   :class:`PlantedDrafter` (its own greedy continuation, each position accepted with probability
-   p), k drafts every step and again under the batch-aware prefix scheduler
-   (:class:`specdec.policy.PrefixPolicy`: DSpark's rule, its confidences the planted p, its
-   costs the forward section's verify times at that batch and the planted run's draft time):
+   :class:`PlantedDrafter` (its own greedy continuation, each position accepted in a share p of
+   the times the walk reaches it), k drafts every step and again under the batch-aware prefix
+   scheduler (:class:`specdec.policy.PrefixPolicy`: DSpark's rule, its confidences the planted p,
+   its costs the forward section's verify times at that batch and the planted run's draft time):
    measured speedup vs the same loop without a drafter, and the speedup predicted from acceptance
-   and measured costs (``specdec.eval.runner.predicted_speedup``), for both. A systems benchmark:
-   acceptance is planted.
+   and measured costs (``specdec.eval.runner.predicted_speedup``: mean accepted length × the
+   autoregressive step's phases / the speculative step's phases), for both. The target's greedy
+   choices are well separated (:func:`specdec.testing.planted.separate_choices`), so its block
+   forwards choose what its one-token forwards choose, in bf16 too: every row is its own greedy
+   output and accepts the planted p. Every timed run follows the same run untimed. A systems
+   benchmark: acceptance is planted.
 4. **mtp**: the committed tiny DeepSeek-V3 with its MTP modules, fp32 and bf16, k = 1..4: greedy
    output identical to autoregressive decoding, acceptance, speedup. Every timed run follows the
    same run untimed (kernel compiles and autotuning land there).
@@ -50,10 +54,10 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    target has SmolLM2-135M's shape and vocabulary (the corpus's token ids fit) with random bf16
    weights: **a throughput measurement only**; its loss and acceptance say nothing about drafting.
    Features are computed per batch on the device. 384 corpus sequences (19 of them held out, and
-   evaluated). Timed in two parts with the trainer's own stop-and-resume (30 steps, then the rest
-   only when the budget allows it at the first part's rate); each part's rate is its training loop
-   alone, as the trainer records each part (start-up and held-out evaluation excluded); the dry run
-   trains a narrow 8-layer model of the same vocabulary 2 + 2 steps.
+   evaluated). Timed in two parts with the trainer's own stop-and-resume (8 steps, then as many
+   more as fit, at the first part's rate, in the section's 90 s); each part's rate is its training
+   loop alone, as the trainer records each part (start-up and held-out evaluation excluded); the
+   dry run trains a narrow 8-layer model of the same vocabulary 2 + 2 steps.
 
 **Time estimate for the real run on an H200** (the budget is 8 minutes; ``--budget-s`` defaults
 to 360 s counted from process start, and a step starts only when its estimate fits, so the last
@@ -75,23 +79,24 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   512-token prefill (B = 64: 32k tokens × 16 GFLOP ≈ 0.5 PFLOP ≈ 1 s), then 7 m values × (1 warm-up
   + 5 timed) forwards: 168 forwards at ≤ 0.15 s (B = 64, m = 64: 4096 tokens ≈ 65 TFLOP ≈ 0.1 s;
   B = 1: 16 GB of weights at ~4 TB/s plus ~10 ms of eager launches ≈ 15 ms) ≈ 15 s. Total ≈ 30 s.
-- planted: per concurrency c ∈ {1, 4, 16, 64}: one autoregressive run (64 new tokens, 64 steps ×
-  15–40 ms ≈ 1–2.5 s), one speculative run (k = 4, p = 0.8: ~19 steps × 20–60 ms ≈ 1 s) and one
+- planted: per concurrency c ∈ {1, 4, 16, 64}: an autoregressive run (64 new tokens, 64 steps ×
+  15–40 ms ≈ 1–2.5 s), a speculative run (k = 4, p = 0.8: ~19 steps × 20–60 ms ≈ 1 s) and one
   under the scheduler (19–64 steps, ≤ 2.5 s; its schedule is ~1 ms of Python a step at c = 64),
-  after one warm-up and the verifier's compiles for 0..k drafts (~5 s); phases synchronise the
-  device (``timed``): ≈ 30 s. Prompts are 128 tokens.
+  each twice (untimed, then timed), after the verifier's compiles for 0..k drafts (~5 s); phases
+  synchronise the device (``timed``): ≈ 45 s. Prompts are 128 tokens.
 - mtp: the 17 MB checkpoint, 2 dtypes × (1 AR + 4 speculative runs) of 4 prompts × 64 tokens on
   a 2-layer model, each run twice (untimed, then timed): ~2 000 small steps × ~10 ms of eager
   launches, plus the draft-input GEMM's autotuning for a few M buckets ≈ 30 s.
 - train: the random 135M target (< 1 s, built once) and the corpus (384 sequences, < 1 s, read by
   each part). A step is 32 sequences × 7 training-time-test steps of a one-layer head, each
   ~50 small eager ops forward and about as many backward, with two host syncs (``int()`` counts):
-  ~20 000 launches ≈ 0.2–0.3 s, plus a 30-layer feature forward over 32 × ~330 tokens (~5 ms);
-  350 steps ≈ 70–105 s, with two held-out evaluations (19 sequences) ≈ 105 s in all.
+  ~20 000 launches, plus a 30-layer feature forward over 32 × ~330 tokens; the first H200 run
+  measured 4.5 s a step (30 steps in 136 s). The section stops at 90 s: 8 steps, then as many as
+  its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
 
-Sum ≈ 15 + 100 + 30 + 30 + 30 + 105 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
-guard covering a slow compile cache or a slower GPU (the training's second part, the largest
-item, runs only if the first part's loop rate says it fits by 360 s).
+Sum ≈ 15 + 100 + 30 + 45 + 30 + 90 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
+guard covering a slow compile cache or a slower GPU (a section starts only when its estimate fits
+by 360 s; the training, the largest, is estimated at its whole 90 s).
 """
 
 from __future__ import annotations
@@ -341,16 +346,24 @@ def random_llama(device: str, dtype: torch.dtype, **config: Any):
 
 
 def build_target(device: str, dry: bool):
-    """Llama-3.1-8B's shape with random bf16 weights, made on the GPU; a tiny Llama in the dry run."""
+    """Llama-3.1-8B's shape with random bf16 weights, made on the GPU; a tiny Llama in the dry run.
+    Its greedy choices are well separated (:func:`specdec.testing.planted.separate_choices`), so a
+    block forward picks what a one-token forward picks, in bf16 too: the planted section's
+    continuation stays the target's own output, and its acceptance is the planted one."""
     from specdec.target import Target
+    from specdec.testing.planted import separate_choices
 
     if dry:
         from specdec.testing.tiny import tiny_model
 
-        return Target(tiny_model("llama", vocab_size=256, init_scale=0.3, seed=0))
-    return Target(random_llama(device, torch.bfloat16, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
-                               max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False))
+        target = Target(tiny_model("llama", vocab_size=256, init_scale=0.3, seed=0))
+    else:
+        target = Target(random_llama(device, torch.bfloat16, hidden_size=4096, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                                     vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+                                     tie_word_embeddings=False))
+    separate_choices(target, seed=0)
+    return target
 
 
 FORWARD = {"dry": dict(context=32, ms=(1, 2, 4, 8), batches=(1, 4), reps=3),
@@ -432,18 +445,19 @@ def compare(ar, spec, k: int) -> dict[str, Any]:
     am, sm = ar.metrics, spec.metrics
     drafted = [sum(r.drafted_at[d] if d < len(r.drafted_at) else 0 for r in reqs) for d in range(k)]
     accepted = [sum(r.accepted_at[d] if d < len(r.accepted_at) else 0 for r in reqs) for d in range(k)]
-    reached = [drafted[0]] + accepted[:-1]
+    # tested at depth d: accepted down to d and drafted past it (a policy's cut or the continuation's end is no test)
+    reached = [drafted[0]] + [min(n, a) for n, a in zip(drafted[1:], accepted[:-1])]
     mal = sum(r.accepted for r in reqs) / s_steps + 1
     ar_token = (am.draft_s + am.target_s + am.verify_s) / a_steps
     n = len(spec.requests)
     decode_s = lambda res: (res.metrics.wall_s - res.metrics.prefill_s) / max(res.metrics.new_tokens - n, 1)  # noqa: E731
+    predicted = predicted_speedup(mal, sm.draft_s / s_steps, (sm.target_s + sm.verify_s) / s_steps, ar_token)
     return {"concurrency": n, "k": k, "new_tokens": spec.requests[0].metrics.new_tokens,
             "identical": [r.tokens for r in spec.requests] == [r.tokens for r in ar.requests],
             "mean_accepted_length": mal, "drafts_verified_per_step": sum(r.drafted for r in reqs) / s_steps,
             "acceptance_given_reached": [a / c if c else None for a, c in zip(accepted, reached)],
             "speedup": am.wall_s / sm.wall_s, "decode_speedup": decode_s(ar) / decode_s(spec),
-            "predicted_speedup": predicted_speedup(mal, sm.draft_s / s_steps, (sm.target_s + sm.verify_s) / s_steps,
-                                                   ar_token),
+            "predicted_speedup": predicted, "measured_over_predicted": am.wall_s / sm.wall_s / predicted if predicted else None,
             "ar_wall_s": am.wall_s, "spec_wall_s": sm.wall_s}
 
 
@@ -464,29 +478,54 @@ def planted_costs(target, device: str, dry: bool, c: int, k: int, forward_rows: 
     return StepCosts([c * m for m in ms], [at_c[m] for m in ms], [c], [draft]), source
 
 
+# repeats: timed runs of each configuration, the one of median wall time kept (a CPU shared with
+# other work can stall one run of a few milliseconds; a GPU run is seconds long)
+PLANTED = {"dry": dict(prompt=16, new=64, concurrencies=(1, 4), repeats=3),
+           "real": dict(prompt=128, new=64, concurrencies=(1, 4, 16, 64), repeats=1)}
+
+
 def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: int,
                   forward_rows: list[dict]) -> dict[str, Any]:
     """Per concurrency: autoregressive decoding, the planted drafter, and the planted drafter under
     the batch-aware prefix scheduler (:class:`specdec.policy.PrefixPolicy`, its confidences
-    the planted p, its costs the measured verify and draft times)."""
+    the planted p, its costs the measured verify and draft times). The drafter plants its
+    acceptance evenly (``pattern="even"``: each position right in a share p of the times it is
+    reached), so a short run's acceptance is p, not p plus sampling noise.
+
+    Every timed run follows the same run untimed. What a run meets first at its concurrency's
+    shapes (the prompt's prefill, blocks of k + 1 tokens over contexts of 128-200, rows retiring,
+    masked blocks after ragged acceptance, the verifier at that batch: kernel compiles and
+    specialisations, library plan choices, allocations) is paid there, not by whichever timed run
+    comes first: without it the drafter's first run at each concurrency paid for the scheduled run
+    after it, which ran the same forwards 2-4x faster."""
     from specdec.policy import PrefixPolicy
     from specdec.testing.planted import PlantedDrafter
 
-    prompt_len, new_tokens, concurrencies = (16, 12, (1, 4)) if dry else (128, 64, (1, 4, 16, 64))
+    f = PLANTED["dry" if dry else "real"]
+    prompt_len, new_tokens = f["prompt"], f["new"]
+
+    def timed(*args, **kwargs):
+        runs = sorted((decode(*args, **kwargs) for _ in range(f["repeats"])), key=lambda r: r.metrics.wall_s)
+        return runs[len(runs) // 2]
+
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
-    planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
-    warm_verifier(target, k, concurrencies)
-    decode(target, planted({}), [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
-    for c in concurrencies:
-        if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 9.0):
+    planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0, pattern="even")  # noqa: E731
+    warm_verifier(target, k, f["concurrencies"])
+    for c in f["concurrencies"]:
+        if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 18.0):
             continue
         prompts = torch.randint(0, target.vocab_size, (c, prompt_len), generator=g).tolist()
-        ar = decode(target, None, prompts, new_tokens, k)
-        conts = {tuple(q): r.tokens for q, r in zip(prompts, ar.requests)}
-        plain = decode(target, planted(conts), prompts, new_tokens, k)
+        ar_first = decode(target, None, prompts, new_tokens, k)  # untimed, as every run below
+        conts = {tuple(q): r.tokens for q, r in zip(prompts, ar_first.requests)}
+        decode(target, planted(conts), prompts, new_tokens, k)
+        ar = timed(target, None, prompts, new_tokens, k)
+        plain = timed(target, planted(conts), prompts, new_tokens, k)
         costs, source = planted_costs(target, device, dry, c, k, forward_rows, plain)
-        scheduled = decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
+        decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
+        scheduled = timed(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
+        if [r.tokens for r in ar.requests] != [r.tokens for r in ar_first.requests]:
+            raise RuntimeError(f"two autoregressive runs at concurrency {c} disagree: the target is not deterministic")
         rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
         costs_used[c] = {"source": source, **asdict(costs)}
     return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
@@ -527,8 +566,11 @@ TRAIN_LABEL = "training throughput only: the target has SmolLM2-135M's shape but
 # The CPU recipe it scales: the corpus learning-curve runs (smollm2-135m-dflash's training.json; the committed corpus, 384
 # sequences, prompts cut to 64 tokens, 280 steps of 4 sequences = 1 120 sequences drawn).
 CPU_SEQUENCES = 280 * 4
-TRAIN = {"dry": dict(batch=2, steps=4, first=2, use=24, eval=4, max_len=96),
-         "real": dict(batch=32, steps=350, first=30, use=384, eval=19, max_len=None)}  # 11 200 sequences: 10x
+# seconds: the section's own budget (start-up, both parts, their evaluations); steps: the schedule's length,
+# of which the run trains the first part and then what fits; first: the part the rate is read from
+TRAIN = {"dry": dict(batch=2, steps=4, first=2, use=24, eval=4, max_len=96, seconds=90.0),
+         "real": dict(batch=32, steps=350, first=8, use=384, eval=19, max_len=None, seconds=90.0)}  # 11 200 sequences: 10x
+RESUME_S = 20.0  # the resumed part's start-up (state, data, model) and its final evaluation on a GPU
 
 
 def smollm2_shaped(device: str, dry: bool):
@@ -559,9 +601,10 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     """The EAGLE-3 recipe (experiments/conf/train/smollm2_eagle3.yaml, with learning_curves.py's
     options) through the one trainer on the committed corpus at 10x the CPU recipe's sequences,
     target features computed per batch on the device. Timed in two parts with the trainer's own
-    stop-and-resume: the first ``first`` steps (allocator, kernel selection), then the rest only
-    when the budget allows it at the rate of the first part's training loop (start-up and
-    held-out evaluation left out, as the trainer records each part)."""
+    stop-and-resume: the first ``first`` steps (allocator, kernel selection), then as many of the
+    rest as fit, at the rate of the first part's training loop (start-up and held-out evaluation
+    left out, as the trainer records each part), in the section's ``seconds`` (90) and the run's
+    budget, whichever ends first."""
     import tempfile
 
     import yaml  # a dependency of transformers
@@ -569,7 +612,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     from benchmarks.learning_curves import OPTIONS  # noqa: E402  (experiments/ is on the path)
     from specdec.training.config import DataConfig, OptimConfig, TrainConfig
 
-    t = TRAIN["dry" if dry else "real"]
+    t0, t = now(), TRAIN["dry" if dry else "real"]
     recipe = yaml.safe_load((ROOT / "experiments" / "conf" / "train" / "smollm2_eagle3.yaml").read_text())
     options = {**recipe["options"], **{o.split("=")[0].removeprefix("options."): int(o.split("=")[1])
                                        for o in OPTIONS["eagle3"]}}
@@ -591,11 +634,18 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
         parts = [{"steps": t["first"], "seconds": first_s, "tokens": first.tokens,
                   "response_tokens": first.response_tokens, "what": what}]
         record, rest = first, t["steps"] - t["first"]
-        # the resumed part's start-up (state, data, model) and its final evaluation: ~10-20 s on a GPU
-        if budget.allows(f"train: the remaining {rest} steps", first_s / t["first"] * rest + 20.0):
-            record, rest_s, what = timed_train(config(None, True), target)
-            parts.append({"steps": rest, "seconds": rest_s, "tokens": record.tokens - first.tokens,
+        left = min(t["seconds"] - (now() - t0), budget.seconds - budget.elapsed()) - RESUME_S
+        extra = min(rest, int(left / (first_s / t["first"]))) if first_s > 0 else rest
+        if extra >= 1 and budget.allows(f"train: {extra} more steps", first_s / t["first"] * extra + RESUME_S):
+            stop = None if t["first"] + extra == t["steps"] else t["first"] + extra
+            record, rest_s, what = timed_train(config(stop, True), target)
+            parts.append({"steps": extra, "seconds": rest_s, "tokens": record.tokens - first.tokens,
                           "response_tokens": record.response_tokens - first.response_tokens, "what": what})
+        trained = sum(part["steps"] for part in parts)
+        if trained < t["steps"]:
+            budget.skipped.append({"what": f"train: steps {trained + 1}-{t['steps']} (beyond the section's "
+                                           f"{t['seconds']:.0f} s)", "estimate_s": round(first_s / t["first"] * (t["steps"] - trained), 1),
+                                   "elapsed_s": round(budget.elapsed(), 1)})
     steady = parts[-1]
     losses = [e["loss"] for e in record.log if "loss" in e]
     return {"label": TRAIN_LABEL, "recipe": recipe["recipe"], "options": options,
@@ -694,13 +744,13 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
 
 def _spec_table(rows: list[dict], lead: str) -> list[str]:
     head = f"| {lead} | concurrency | k | identical to AR | mean accepted length | drafts verified / step " \
-        "| acceptance per position | measured speedup | decode speedup | predicted speedup |"
+        "| acceptance per position | measured speedup | decode speedup | predicted speedup | measured / predicted |"
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         acc = ", ".join(_f(a) for a in r["acceptance_given_reached"])
         lines.append(f"| {r[lead]} | {r['concurrency']} | {r['k']} | {r['identical']} | {r['mean_accepted_length']:.2f} "
                      f"| {r['drafts_verified_per_step']:.2f} | {acc} | {r['speedup']:.2f} | {r['decode_speedup']:.2f} "
-                     f"| {r['predicted_speedup']:.2f} |")
+                     f"| {r['predicted_speedup']:.2f} | {_f(r.get('measured_over_predicted'))} |")
     return lines + [""]
 
 
@@ -840,7 +890,7 @@ def kit(out: str, dry_run: bool = False, budget_s: float = 360.0, sections: str 
             if device == "cuda":
                 torch.cuda.empty_cache()
     section("mtp", lambda: native_mtp(device, dry_run, budget))
-    if "train" in sections and budget.allows("train", 15.0 if dry_run else 60.0):
+    if "train" in sections and budget.allows("train", 15.0 if dry_run else TRAIN["real"]["seconds"]):
         section("train", lambda: bench_train(device, dry_run, budget))
     try:
         results["figures"] = figures(results, out)

@@ -51,6 +51,7 @@ from specdec.data.sequences import TokenSeq
 from specdec.data.sources import StoreItem, store_items
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
+from specdec.transformers_versions import output_cache
 
 __all__ = ["FORMAT", "StoreItem", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
            "target_kv", "forward_with_kv", "store_bytes_per_token", "throughput", "recipe_needs",
@@ -102,8 +103,7 @@ def forward_with_kv(target: Target, tokens: Tensor, layers: Iterable[int], kv: I
                              use_cache=bool(kv))
     hidden = {i: out.hidden_states[i] for i in layers}
     rows = {}
-    cache = getattr(out, "cache", None) if kv else None
-    cache = cache if cache is not None else (out.past_key_values if kv else None)
+    cache = output_cache(out) if kv else None
     for i in kv:
         layer = cache.layers[i]
         if layer.keys.shape[-2] != tokens.shape[1]:  # a sliding-window cache keeps only its window

@@ -11,9 +11,12 @@ After a warm-up of both, the demo runs autoregressive and speculative decoding i
 ``--repeats`` rounds (the order alternating, so that a machine that slows down or speeds up weighs
 on both alike), and prints the median tokens/s of each, the speedup of every round, their median and
 spread, and a verdict: faster or slower only when every round agrees, otherwise that the spread is
-larger than the difference. Verifying k+1 tokens is not free, so a drafter must be accepted often to
-pay for it: the demo prints the measured draft and verify costs per step and, when speculation
-loses, the accepted length it would need.
+larger than the difference. Timings taken while other work shares the cores measure that work, so
+the demo reads the load average before and after the rounds and gives no verdict while other load
+leaves fewer free cores than the threads it decodes with. Verifying k+1 tokens is not free, so a
+drafter must be accepted often to pay for it: the demo splits the median round's time per step into the
+measured draft and verify costs and the rest, the same round the verdict's median speedup is, so
+the two never disagree, and says the accepted length speculation needs to pay.
 
 The drafters offered are those that run from a fresh clone: the model-free ones (``ngram``,
 ``suffix``) and every drafter whose SmolLM2 checkpoint is committed (read from
@@ -43,6 +46,10 @@ def merge_intervals(intervals):
 """
 
 TARGET = "smollm2-135m"
+TARGET_CONTEXT = 8192
+"""SmolLM2-135M-Instruct's context window (``max_position_embeddings``), so that a ``--k`` or
+``--max-new-tokens`` that cannot fit is refused before the model loads (tests/test_smollm2.py checks
+it against the loaded model)."""
 MODEL_FREE_K = {"ngram": 8, "suffix": 8}
 """The model-free drafters' draft length: long, since drafts cost next to nothing to make and a code
 edit copies long spans (both were benchmarked at k = 8: docs/results.md, "Adaptive draft length and
@@ -132,10 +139,17 @@ def default_k(name: str) -> tuple[int, str]:
     return best["k"], f"best measured, recorded with the checkpoint: {best['measured']}"
 
 
+def median_round(speedups: list[float]) -> int:
+    """The round whose speedup is the median (the lower of the middle two for an even count): the
+    verdict's median and the cost breakdown both come from it."""
+    return sorted(range(len(speedups)), key=lambda i: speedups[i])[(len(speedups) - 1) // 2]
+
+
 def verdict(speedups: list[float]) -> tuple[str, str]:
     """("faster" | "slower" | "undecided", why) from the speedup of every round: a direction only
-    when every round agrees; otherwise the spread is larger than the difference from 1.00x."""
-    lo, hi, med = min(speedups), max(speedups), statistics.median(speedups)
+    when every round agrees; otherwise the spread is larger than the difference from 1.00x. The
+    median is :func:`median_round`'s."""
+    lo, hi, med = min(speedups), max(speedups), speedups[median_round(speedups)]
     spread = f"median {med:.2f}x, spread {lo:.2f}x-{hi:.2f}x over {len(speedups)} rounds"
     if lo > 1:
         return "faster", f"speculation is faster in every round ({spread})"
@@ -146,19 +160,47 @@ def verdict(speedups: list[float]) -> tuple[str, str]:
                          " or when the machine is quieter")
 
 
-def costs(spec, base) -> list[str]:
-    """Why speculation won or lost, from the measured costs alone (two GenerationSummary)."""
-    ar_ms = base.verify_ms_per_step  # one autoregressive step: one target forward + sampling
-    step_ms = spec.draft_ms_per_step + spec.verify_ms_per_step
-    need = step_ms / ar_ms if ar_ms else float("nan")
-    lines = [f"one autoregressive step {ar_ms:.1f} ms; one speculative step {step_ms:.1f} ms"
-             f" (draft {spec.draft_ms_per_step:.1f} + verify {spec.verify_ms_per_step:.1f}) = {need:.2f} AR steps"]
-    if spec.mean_accepted_length >= need:
-        lines.append(f"each step yields {spec.mean_accepted_length:.2f} tokens > {need:.2f}: speculation pays")
+def load_verdict(before: float, after: float, threads: int, cores: int) -> tuple[str, str] | None:
+    """("busy", why) when other load (:func:`specdec.few_rows.other_load`) before or after the rounds
+    leaves fewer free cores than the demo's threads (:func:`specdec.few_rows.busy`): the rounds then
+    measure the contention and no verdict is given. None on a quiet machine."""
+    from specdec.few_rows import busy
+
+    worst = max((x for x in (before, after) if math.isfinite(x)), default=float("nan"))
+    if not busy(threads, worst, cores):
+        return None
+    return "busy", (f"no verdict: the machine is busy (other load {before:.1f} before the rounds, {after:.1f} after,"
+                    f" on {cores} cores; the demo decodes with {threads} thread{'s' if threads > 1 else ''}), so the rounds"
+                    " timed the other work as much as decoding; rerun when the machine is quieter")
+
+
+def costs(spec, base, outcome: str) -> list[str]:
+    """Why speculation won or lost, from one round's two GenerationSummary (:func:`median_round`'s,
+    the round the verdict's median is): its time per step split into draft, verify and the rest
+    (prefill's share, sampling, the loop), against that round's autoregressive time per token. The
+    speedup this implies is that round's, so it agrees with ``outcome`` (the verdict)."""
+    if not (spec.tokens_per_s > 0 and base.tokens_per_s > 0):
+        return ["no cost breakdown: a run produced no tokens"]
+    tau = spec.mean_accepted_length
+    ar_ms = 1e3 / base.tokens_per_s  # one autoregressive token, everything included
+    step_ms = tau * 1e3 / spec.tokens_per_s  # one speculative step, everything included
+    rest = step_ms - spec.draft_ms_per_step - spec.verify_ms_per_step
+    need = step_ms / ar_ms
+    lines = [f"median round: one autoregressive token {ar_ms:.1f} ms (forward {base.verify_ms_per_step:.1f} + rest"
+             f" {ar_ms - base.verify_ms_per_step:.1f}); one speculative step {step_ms:.1f} ms (draft"
+             f" {spec.draft_ms_per_step:.1f} + verify {spec.verify_ms_per_step:.1f} + rest {rest:.1f}) = {need:.2f}"
+             f" autoregressive tokens"]
+    if outcome == "busy":
+        tail = " (on a busy machine: not a verdict)"
+    elif outcome == "undecided":
+        tail = " in this round, but the rounds disagree (see the verdict)"
     else:
-        lines.append(f"each step yields {spec.mean_accepted_length:.2f} tokens < {need:.2f}: speculation loses here;"
-                     f" it would pay at a mean accepted length above {need:.2f} (more acceptance, a cheaper draft,"
-                     " or a smaller k)")
+        tail = ""
+    if tau > need:
+        lines.append(f"each step yields {tau:.2f} tokens > {need:.2f}: speculation pays{tail}")
+    else:
+        lines.append(f"each step yields {tau:.2f} tokens <= {need:.2f}: speculation loses{tail}; it would pay at a mean"
+                     f" accepted length above {need:.2f} (more acceptance, a cheaper draft, or a smaller k)")
     return lines
 
 
@@ -201,15 +243,20 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--seed must be >= 0, got {args.seed}")
     if not args.prompt.strip():
         ap.error("--prompt is empty")
+    if (args.k or 1) + args.max_new_tokens >= TARGET_CONTEXT:
+        asked = f"--k {args.k} with --max-new-tokens" if args.k is not None else "--max-new-tokens"
+        ap.error(f"{asked} {args.max_new_tokens} cannot fit SmolLM2-135M's context window of {TARGET_CONTEXT} tokens"
+                 " (the prompt, the new tokens and a draft must fit in it together)")
     names = offered()
     if args.drafter not in names:
         recorded = smollm2_checkpoints(committed=False)
         if args.drafter in recorded:
-            from specdec.models import uncommitted_checkpoints
+            from specdec.models import remake_time, uncommitted_checkpoints
 
             command, out = uncommitted_checkpoints()[recorded[args.drafter]]
             ap.error(f"--drafter {args.drafter}: its SmolLM2 checkpoint {recorded[args.drafter]!r} is not committed"
-                     f" (size budget); make it with: {command} (it writes {out}); the demo offers: {', '.join(names)}")
+                     f" (size budget); make it, from the repository root, with: {command} (it writes {out};"
+                     f" {remake_time(recorded[args.drafter])}); the demo offers: {', '.join(names)}")
         ap.error(f"--drafter {args.drafter!r} is not offered; the demo offers: {', '.join(names)}")
 
 
@@ -227,7 +274,25 @@ def _rounds(specdec, target, prompt: str, drafter, k: int, repeats: int, common:
     return base, spec
 
 
+def _load(specdec, threads: int | None, say):
+    """The target, with its few-row plan tuned (said only when it is measured now: not when it is
+    read from the cache, nor on a busy machine, where it is not tuned)."""
+    import torch
+
+    from specdec.few_rows import busy, cached_plan, other_load
+
+    target = specdec.load_target(TARGET, dtype=torch.float32, threads=threads, autotune=False)
+    if (target.takes_row_plan() and cached_plan(target.model, packed=target.pack) is None
+            and not busy(torch.get_num_threads(), other_load())):  # a busy machine is not tuned on
+        say("tuning the few-row plan for this machine (once: it is cached for the next runs)")
+    target.tune()
+    return target
+
+
 def main(argv: list[str] | None = None) -> None:
+    from specdec.timing import now
+
+    started = now()
     ap = parser()
     args = ap.parse_args(argv)
     check_args(ap, args)
@@ -236,10 +301,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import specdec
+    from specdec.few_rows import cores_available, describe, other_load
 
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
-    say(f"loading {TARGET} (the first time on a machine it also tunes its few-row plan, once)")
-    target = specdec.load_target(TARGET, dtype=torch.float32, threads=args.threads)
+    say(f"loading {TARGET}")
+    target = _load(specdec, args.threads, say)
+    threads = torch.get_num_threads()
     sampling = specdec.SamplingParams(temperature=args.temperature, seed=args.seed)
     common = dict(sampling=sampling, max_new_tokens=args.max_new_tokens, chat=True, progress=False)
     try:
@@ -250,48 +317,55 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # a k the drafter cannot draft, a prompt too long for the target ...
         raise SystemExit(f"specdec-demo: {e}") from None
     say(f"{args.repeats} rounds of autoregressive and speculative decoding, interleaved")
+    load_before = other_load(threads, now() - started)  # less our own share so far
     base, spec = _rounds(specdec, target, args.prompt, drafter, k, args.repeats, common)
+    load_after = other_load(threads, now() - started)
+    cores = cores_available()
     speedups = [s.summary.tokens_per_s / b.summary.tokens_per_s if b.summary.tokens_per_s else float("nan")
                 for b, s in zip(base, spec)]
     ar_tps = [b.summary.tokens_per_s for b in base]
     sp_tps = [s.summary.tokens_per_s for s in spec]
-    outcome, why = verdict(speedups)
+    outcome, why = load_verdict(load_before, load_after, threads, cores) or verdict(speedups)
+    mid = median_round(speedups)
     identical = (all(s.tokens == base[0].tokens for s in spec) and all(b.tokens == base[0].tokens for b in base)
                  if args.temperature == 0 else None)
-    s, b = spec[-1].summary, base[-1].summary
-    threads = torch.get_num_threads()
+    s, b = spec[mid].summary, base[mid].summary
+    load = {"before": load_before, "after": load_after, "cores": cores, "threads": threads}
 
     if args.json:
         baseline = {key: v for key, v in b.to_dict().items() if key not in ("k", "drafter", "policy")}
         print(json.dumps({
-            "verdict": outcome, "why": why, "speedup_median": statistics.median(speedups), "speedups": speedups,
-            "rounds": args.repeats, "identical_to_autoregressive": identical, "threads": threads,
-            "drafter": args.drafter, "k": k, "k_source": k_source, "few_rows": s.few_rows,
+            "verdict": outcome, "why": why, "speedup_median": speedups[mid], "speedups": speedups, "median_round": mid,
+            "rounds": args.repeats, "identical_to_autoregressive": identical, "threads": threads, "load": load,
+            "costs": costs(s, b, outcome), "drafter": args.drafter, "k": k, "k_source": k_source,
+            "few_rows": s.few_rows,
             "speculative": {"tokens_per_s": sp_tps, "tokens_per_s_median": statistics.median(sp_tps),
-                            "last": s.to_dict()},
+                            "median_round": s.to_dict()},
             "autoregressive": {"tokens_per_s": ar_tps, "tokens_per_s_median": statistics.median(ar_tps),
-                               "last": baseline}}, indent=2))
+                               "median_round": baseline}}, indent=2))
         return
-    print(spec[-1].texts[0] if spec[-1].texts else spec[-1].tokens[0])
+    print(spec[mid].texts[0] if spec[mid].texts else spec[mid].tokens[0])
     print("-" * 72)
-    print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {threads} threads)   drafter: {args.drafter}"
+    print(f"target: SmolLM2-135M-Instruct (fp32, CPU, {threads} thread{'s' if threads > 1 else ''})   drafter: {args.drafter}"
           f"   temperature={args.temperature}")
     print(f"k={k}: {k_source}")
     plan = s.few_rows
     if plan is not None:
         rows = ", ".join(f"{r}: {how}" for r, how in plan["plan"].items()) or "F.linear at every row count"
-        print(f"few-row plan ({plan['source']}): {rows}")
+        print(f"few-row plan: {rows}")
+        print(f"  ({describe(plan)})")
+    print(f"load: other load {load_before:.1f} before the rounds, {load_after:.1f} after, on {cores} cores")
     print(f"{args.repeats} rounds, interleaved (median, and min-max over rounds):")
     print(f"autoregressive : {statistics.median(ar_tps):7.1f} tokens/s  ({min(ar_tps):.1f}-{max(ar_tps):.1f};"
           f" {b.new_tokens} tokens a run)")
     print(f"speculative    : {statistics.median(sp_tps):7.1f} tokens/s  ({min(sp_tps):.1f}-{max(sp_tps):.1f};"
           f" {s.new_tokens} tokens a run)")
-    print(f"speedup        : {statistics.median(speedups):.2f}x median; per round "
+    print(f"speedup        : {speedups[mid]:.2f}x median; per round "
           + " ".join(f"{x:.2f}x" for x in speedups))
     print(f"verdict        : {outcome}: {why}")
     print(f"mean accepted length (bonus included): {s.mean_accepted_length:.2f} tokens/step"
           f"   acceptance by position: " + " ".join(f"{a:.2f}" for a in s.acceptance_at))
-    for line in costs(s, b):
+    for line in costs(s, b, outcome):
         print(line)
     if identical is not None:
         print(f"identical to autoregressive output: {identical}")

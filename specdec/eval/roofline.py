@@ -68,6 +68,7 @@ from specdec.eval.config import RooflineConfig, RunConfig
 from specdec.eval.runner import build_target, run_experiment, write_config
 from specdec.target import Target
 from specdec.timing import Stopwatch, measure
+from specdec.transformers_versions import cache_kwargs
 
 __all__ = ["run_roofline", "ForwardCost", "PeakMemory", "TensorPeak", "stream_bandwidth", "linear_peak", "tree_parents"]
 
@@ -322,12 +323,12 @@ class TransformersForward:
 
         self.model, self.context = target.model, context.shape[1]
         self.cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=context.to(target.device), cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.model(input_ids=context.to(target.device), **cache_kwargs(self.cache), use_cache=True, logits_to_keep=1)
 
     def call(self, tokens: Tensor, parents: list[int] | None) -> Callable[[], Any]:
         ids = tokens.to(self.model.device)
         if parents is None:  # transformers' own causal path
-            return lambda: self.model(input_ids=ids, cache=self.cache, use_cache=True)
+            return lambda: self.model(input_ids=ids, **cache_kwargs(self.cache), use_cache=True)
         B, m = tokens.shape
         anc = torch.eye(m, dtype=torch.bool)  # [m, m]: node i sees node j (an ancestor or itself)
         for i, p in enumerate(parents):
@@ -338,8 +339,8 @@ class TransformersForward:
         mask = torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)
         mask = mask.expand(B, 1, m, self.context + m).to(self.model.device)
         pos = (self.context + anc.sum(1) - 1).expand(B, m).to(self.model.device)  # [B, m]: context + depth
-        return lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache,
-                                  use_cache=True)
+        return lambda: self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                  **cache_kwargs(self.cache), use_cache=True)
 
     def drop(self, tokens: Tensor) -> None:
         self.cache.crop(-tokens.shape[1])  # transformers 5: a negative count of tokens to remove

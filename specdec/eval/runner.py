@@ -55,7 +55,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.verifier import Verifier
 
-__all__ = ["build_target", "build_drafter", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
+__all__ = ["build_target", "build_drafter", "check_checkpoints", "run_experiment", "ExperimentResult", "peer_kwargs", "divergences",
            "predicted_speedup", "lossy_mark", "k_label", "by_group", "git_sha", "write_config"]
 
 
@@ -203,10 +203,24 @@ class ExperimentResult:
         return [r["tokens"] for r in recs]
 
 
+def check_checkpoints(cfg: RunConfig) -> None:
+    """Every drafter checkpoint ``cfg`` names, found before the target loads: one that is recorded
+    but not committed raises :class:`specdec.models.CheckpointNotCommitted` (the command that makes
+    it) now, not after minutes of loading (the tiny target takes none: its drafters are random)."""
+    if cfg.target.model == "tiny":
+        return
+    from specdec.models import resolve_checkpoint
+
+    for dcfg, _, _ in cfg.speculative_methods().values():
+        if dcfg.options.get("checkpoint"):
+            resolve_checkpoint(dcfg.options["checkpoint"])
+
+
 def run_experiment(cfg: RunConfig, out_dir: str | Path | None = None, target: Target | None = None
                    ) -> ExperimentResult:
     """Run ``cfg``; with ``out_dir``, write config.json, requests.jsonl and summary.json (the lab renders
     them: experiments/report.py)."""
+    check_checkpoints(cfg)
     target = target if target is not None else build_target(cfg.target)
     samples = load_dataset(cfg.dataset, target.tokenizer, target.vocab_size, cfg.seed)
     if not samples:

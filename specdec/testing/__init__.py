@@ -1,8 +1,8 @@
 """Conformance tools: what the test suite runs on every drafter, usable on a new one.
 
 The tools (:mod:`specdec.testing.tools`: :func:`chi_square`, :func:`greedy_reference`,
-:func:`assert_greedy_equivalent`, :func:`sampled_gof`, :func:`q_contract`, :class:`RandomDrafter`,
-:class:`Recording`, :func:`tree_parents`) and :func:`run_conformance`, which runs the conformance
+:func:`assert_greedy_equivalent`, :func:`assert_batch_independent`, :func:`sampled_gof`,
+:func:`q_contract`, :class:`RandomDrafter`, :class:`Recording`, :func:`tree_parents`) and :func:`run_conformance`, which runs the conformance
 suite (:mod:`specdec.testing.conformance`, built on those tools) on any drafter.
 
 Kernel authors: :mod:`specdec.testing.triton_memory` runs Triton's interpreter with a GPU's memory
@@ -13,11 +13,11 @@ fails on CPU as it would on the hardware.
 from __future__ import annotations
 
 from specdec.drafter import Drafter
-from specdec.testing.tools import (RandomDrafter, Recording, assert_greedy_equivalent, chi_square, greedy_reference,
-                                   q_contract, sampled_gof, tree_parents)
+from specdec.testing.tools import (RandomDrafter, Recording, assert_batch_independent, assert_greedy_equivalent,
+                                   chi_square, greedy_reference, q_contract, sampled_gof, tree_parents)
 
 __all__ = ["run_conformance", "chi_square", "greedy_reference", "assert_greedy_equivalent", "sampled_gof", "q_contract",
-           "RandomDrafter", "Recording", "tree_parents"]
+           "RandomDrafter", "Recording", "tree_parents", "assert_batch_independent"]
 
 
 def run_conformance(*drafters: str | type[Drafter], pytest_args: tuple[str, ...] = ("-q",)) -> int:

@@ -11,6 +11,7 @@ a tiny random Llama whose distributions are peaked enough that top-k and top-p c
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -28,13 +29,30 @@ VOCAB = 32
 CASES: dict[str, Callable[[Target], Drafter]] = {}
 
 
+def _import_class(spec: str) -> object:
+    """The object ``module:Class`` names; a ``ValueError`` of one line, with the fix, when the module
+    cannot be imported or has no such name."""
+    module, _, attr = spec.partition(":")
+    try:
+        found = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):  # the package itself is not there
+            raise ValueError(f"{spec!r}: no module named {e.name!r} in this environment ({sys.executable}); install"
+                             f" the package that holds it (from its folder: pip install -e .), or run `python -m pytest`"
+                             f" from the folder that contains {e.name.split('.')[0]!r}") from None
+        raise ValueError(f"{spec!r}: importing {module!r} failed, it needs {e.name!r}, which is not installed") from None
+    if not attr or not hasattr(found, attr):
+        raise ValueError(f"{spec!r}: module {module!r} has no {attr!r}; name a Drafter class as module:Class")
+    return getattr(found, attr)
+
+
 def drafter_factory(spec: str | type[Drafter]) -> tuple[str, Callable[[Target], Drafter]]:
-    """A case from a registered name, ``module:Class`` or a Drafter class: (its name, its tiny factory)."""
+    """A case from a registered name, ``module:Class`` or a Drafter class: (its name, its tiny factory).
+    A name that leads nowhere is a ``ValueError`` of one line that says how to fix it."""
     if isinstance(spec, type):
         cls = spec
     elif ":" in spec:
-        module, _, attr = spec.partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        cls = _import_class(spec)
     else:
         cls = drafter_class(spec)
     if not (isinstance(cls, type) and issubclass(cls, Drafter)):
@@ -49,7 +67,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     for spec in config.getoption("--specdec-drafter"):
-        name, factory = drafter_factory(spec)
+        try:
+            name, factory = drafter_factory(spec)
+        except (ValueError, TypeError) as e:  # one line with the fix, not pytest's INTERNALERROR traceback
+            raise pytest.UsageError(f"--specdec-drafter {e}") from None
         CASES[name] = factory
 
 

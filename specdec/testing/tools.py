@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -23,15 +24,16 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdec.drafter import Drafter
-from specdec.loop import Request, run
+from specdec.loop import LossyVerifierWarning, Request, run
 from specdec.policy import DraftPolicy
 from specdec.sampling import RowSampling, SamplingParams
 from specdec.target import Target
+from specdec.transformers_versions import CACHE_ARG, cache_kwargs
 from specdec.types import Committed, DraftProposal
 from specdec.verifier import Verifier
 
-__all__ = ["chi_square", "greedy_reference", "assert_greedy_equivalent", "sampled_gof", "q_contract",
-           "RandomDrafter", "Recording", "tree_parents"]
+__all__ = ["chi_square", "greedy_reference", "assert_greedy_equivalent", "assert_batch_independent", "sampled_gof",
+           "q_contract", "RandomDrafter", "Recording", "tree_parents"]
 
 
 def chi_square(counts: Tensor, probs: Tensor, min_expected: float = 5.0) -> float:
@@ -67,12 +69,30 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> tuple[lis
     cache = DynamicCache()
     ids = torch.tensor([prompt], device=model.device)
     tokens, logits = [], []
-    for _ in range(max_new_tokens):
-        step = model(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].float()
+    for t in range(max_new_tokens):
+        step = model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[0, -1].float()
+        if cache.get_seq_length() != len(prompt) + t:  # a cache argument the model swallowed: a wrong reference
+            raise RuntimeError(f"{type(model).__name__} did not fill the DynamicCache passed as {CACHE_ARG}= "
+                               f"(specdec.transformers_versions)")
         logits.append(step)
         tokens.append(int(step.argmax()))
         ids = torch.tensor([[tokens[-1]]], device=model.device)
     return tokens, torch.stack(logits)
+
+
+def assert_batch_independent(alone: list[int], batched: list[int], row: int, batch: int) -> None:
+    """Fail, saying where and what it means, unless request ``row`` of a batch of ``batch`` gave the
+    tokens it gave alone (``alone``, ``batched``: its new tokens)."""
+    if batched == alone:
+        return
+    i = next((i for i, (a, b) in enumerate(zip(alone, batched)) if a != b), min(len(alone), len(batched)))
+    raise AssertionError(
+        f"batch independence: request {row} of a batch of {batch} gave other tokens than the same request alone,"
+        f" from new token {i} on (alone {alone[i:i + 4]}, in the batch {batched[i:i + 4]}; {len(alone)} and"
+        f" {len(batched)} tokens in all). A row's output may not depend on the rows beside it: the drafter's"
+        " proposal or state for one row reads another row's (a reduction over the batch, a counter or cache"
+        " shared by the rows, one random stream drawn for the whole batch), so a seeded request would give"
+        " other tokens in another batch")
 
 
 def assert_greedy_equivalent(ours: list[int], ref: list[int], ref_logits: Tensor,
@@ -187,7 +207,9 @@ def q_contract(target: Target, drafter: Drafter, prompt: list[int], sampling: Sa
     rec = Recording(drafter)
     reqs = [Request(list(prompt), 1 + k, SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p,
                                                         seed=i)) for i in range(n_samples)]
-    run(target, rec, _FirstOnly(), reqs, k=k, eos_token_ids=set())
+    with warnings.catch_warnings():  # _FirstOnly only drives the proposals tested here: no output is read
+        warnings.simplefilter("ignore", LossyVerifierWarning)
+        run(target, rec, _FirstOnly(), reqs, k=k, eos_token_ids=set())
     prop = rec.proposals[0]
     anchors = rec.anchors
     pvalues, tests = [], []
