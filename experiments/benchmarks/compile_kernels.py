@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler
 

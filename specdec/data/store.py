@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.data.sequences import TokenSeq
-from specdec.data.sources import StoreItem, store_items
+from specdec.data.sources import StoreItem
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
 from specdec.transformers_versions import output_cache
