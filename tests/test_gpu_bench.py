@@ -1,9 +1,10 @@
-"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of experiments/bench.py gpu."""
+"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of `make gpu-bench DRY_RUN=1`."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,9 @@ def test_planted_all_or_nothing():
 @pytest.mark.slow  # ~45 s on one CPU core
 def test_dry_run_writes_every_file(tmp_path):
     """`make gpu-bench DRY_RUN=1`'s command: every section runs on CPU and says what it measured."""
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "gpu", "--dry-run", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "experiments")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["gpu"] == "cpu dry run" and env["torch"] and env["transformers"]

@@ -413,10 +413,10 @@ def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
 # --- the Hydra entry point -----------------------------------------------------------------------------
 
 def _entry():
-    """experiments/train.py as a module (importing it registers ``train_schema``)."""
+    """experiments/run.py as a module (importing it registers ``train/train_schema``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("specdec_experiments_train", ROOT / "experiments" / "train.py")
+    spec = importlib.util.spec_from_file_location("specdec_experiments_run_train", ROOT / "experiments" / "run.py")
     assert spec is not None and spec.loader is not None
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
@@ -424,15 +424,29 @@ def _entry():
 
 
 def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
-    """``experiments/train.py --config-name <name> <overrides>``'s config, without running it."""
+    """``experiments/run.py --config-name train/<name> <overrides>``'s config, without running it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     entry = _entry()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return entry.to_train_config(compose(config_name=name, overrides=list(overrides)))
+        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+            return entry.to_train_config(compose(config_name=f"train/{name}", overrides=list(overrides)))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_lab(name: str, overrides: list[str]):
+    """A lab preset's function and checked parameters (``experiments/run.py --config-name <name> ...``), not run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _entry()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+            return entry.lab_job(compose(config_name=name, overrides=list(overrides)))
     finally:
         GlobalHydra.instance().clear()
 
@@ -460,12 +474,12 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
     assert record.steps > 0 and record.held_out["accept"] and record.config
     assert subprocess.run(["git", "cat-file", "-e", f"{record.revision}^{{commit}}"], cwd=ROOT).returncode == 0
     command = record.equivalent_command or record.command
-    prefix = "python experiments/train.py --config-name "
+    prefix = "python experiments/run.py --config-name train/"
     reads = None  # the folder the next command's init= names: the one the command before it writes
     chain = [*record.remake_first, command]
-    if chain[0].startswith("python -m specdec.data.store "):  # a store-trained chain: the store's command first
-        store = shlex.split(chain[0])
-        assert f"data.store={store[store.index('--out') + 1]}" in chain[1]  # the first part reads that store
+    if chain[0].startswith("python experiments/run.py --config-name lab/store "):  # a store-trained chain: the store's first
+        fn, params = compose_lab("lab/store", shlex.split(chain[0])[4:])  # the store mode takes every key
+        assert fn.__name__ == "fill" and f"data.store={params['out']}" in chain[1]  # the first part reads that store
         chain = chain[1:]
     for i, part in enumerate(chain):
         assert part.startswith(prefix)  # the one trainer's command for this recipe
@@ -478,7 +492,7 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
 
 def test_entry_point_trains_and_records_its_command(tmp_path):
     path = random_data(tmp_path / "d.safetensors")
-    args = ["experiments/train.py", "--config-name", "smollm2_eagle3", "target.model=tiny", "data.source=distill",
+    args = ["experiments/run.py", "--config-name", "train/smollm2_eagle3", "target.model=tiny", "data.source=distill",
             f"data.path={path}", "data.held_out_every=4", "options.draft_vocab=16", "options.layer_ids=[0,1,2]",
             "optim.steps=2", f"out={tmp_path / 'out'}", f"work={tmp_path / 'work'}"]
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -487,7 +501,7 @@ def test_entry_point_trains_and_records_its_command(tmp_path):
     record = TrainingRecord.read(tmp_path / "out")
     assert record.command == shlex.join(["python", *args])
     assert record.config["target"]["model"] == "tiny" and record.steps == 2
-    assert (tmp_path / "work" / "train.log").exists()  # Hydra's log beside the resumable state
+    assert (tmp_path / "work" / "run.log").exists()  # Hydra's log (the runner's) beside the resumable state
     assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
 
 
@@ -593,42 +607,6 @@ def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path)
     D = smollm2.hidden_size
     torch.testing.assert_close(f["features"][0, :, D:], out.hidden_states[2][0])
     torch.testing.assert_close(smollm2.logits(f["final"])[0], out.logits[0])
-
-
-def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "experiments" / "benchmarks" / "learning_curves.py")
-    curves = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(curves)
-    assert curves.mal([0.5, 0.5, 0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
-    assert curves.mal([0.4], 4) == pytest.approx(1.4)  # a one-position drafter: its natural length
-    for family, first in (("eagle3", 0.3), ("mtp", 0.1)):
-        (tmp_path / "runs" / family).mkdir(parents=True)
-        log = [{"step": s, "tokens": 1000 * s, "response_tokens": 700 * s, "seconds": 10.0 * s,
-                "held_out": {"accept": [first * s, first * s / 2]}} for s in (1, 2)]
-        (tmp_path / "runs" / family / RECORD_FILE).write_text(json.dumps(
-            {"command": f"python experiments/train.py --config-name smollm2_{family}", "wall_seconds": 20.0,
-             "log": [{"step": 1, "loss": 1.0}, *log]}))
-    for job, temperature in (("0_sampling=greedy", 0.0), ("1_sampling=sample", 1.0)):  # the decoding sweep
-        (tmp_path / "sweep" / job).mkdir(parents=True)
-        (tmp_path / "sweep" / job / "config.json").write_text(json.dumps({"config": {"sampling": {"temperature": temperature}}}))
-        (tmp_path / "sweep" / job / "summary.json").write_text(json.dumps({
-            "ar": {"drafter": None, "requests": 2, "mean_accepted_length": 1.0},
-            "eagle3 k=4": {"drafter": "eagle3", "requests": 2, "new_tokens": 96, "mean_accepted_length": 1.3 + temperature,
-                           "acceptance_at": [0.25, 0.05, 0.0, 0.0], "speedup": 0.7, "identical_to_baseline": 2}}))
-    args = curves.argparse.Namespace(runs=str(tmp_path / "runs"), families=("eagle3", "dflash", "mtp"),
-                                     out=str(tmp_path / "out" / "curves"), decoded=str(tmp_path / "sweep"))
-    curves.report(args)
-    data = json.loads((tmp_path / "out" / "curves.json").read_text())
-    assert list(data) == ["eagle3", "mtp", "decoded"] and [p["response_tokens"] for p in data["eagle3"][:-1]] == [700, 1400]
-    assert data["eagle3"][1]["mal4"] == pytest.approx(1 + 0.6 + 0.6 * 0.3, abs=1e-3)
-    assert [(d["temperature"], d["method"], d["mean_accepted_length"]) for d in data["decoded"]] == [
-        (0.0, "eagle3 k=4", 1.3), (1.0, "eagle3 k=4", 2.3)]  # the autoregressive baselines are not methods
-    table = (tmp_path / "out" / "curves.md").read_text()
-    assert "| eagle3 | 1,400 |" in table and "smollm2_mtp" in table and (tmp_path / "out" / "curves.png").stat().st_size
-    assert "| 0 | eagle3 k=4 | 1.30 | 0.25 0.05 0.00 0.00 | 0.70x | 2/2 |" in table
-    assert "| 1 | eagle3 k=4 | 2.30 | 0.25 0.05 0.00 0.00 | 0.70x | – |" in table
 
 
 def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
