@@ -74,6 +74,8 @@ LAB_MODES: dict[str, str] = {
     "store": "benchmarks.store_fill:fill",
     "corpus": "generate_corpus:grow",
     "preset_steps": "benchmarks.preset_steps:table",
+    "train_rates": "benchmarks.train_rates:compare",
+    "train_flops": "benchmarks.train_flops:roofline",
 }
 
 

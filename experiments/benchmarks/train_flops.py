@@ -1,26 +1,22 @@
 """FLOPs per trained position of every SmolLM2 recipe, against the measured rate: a training roofline.
 
-    python experiments/benchmarks/train_flops.py --rates outputs/train_rates/rates.json
+    .venv/bin/python experiments/run.py --config-name lab/train_flops rates=outputs/train_rates/rates.json
 
 For each recipe, one training step (loss and backward, bf16 autocast as the rates were measured) on the
 first ``--batch`` training sequences, counted by ``torch.utils.flop_counter.FlopCounterMode`` (matmuls
 and attention, forward and backward; the no-grad target logits inside the loss included), divided by
 the step's loss positions at draft depth 1 (:meth:`Recipe.loss_positions`). The roof is this CPU's
 one-thread bf16 matmul rate (a 2048³ product under autocast, best of 5). ``rates.json``'s
-``positions_per_s`` (``train_rates.py``) times FLOPs per position is the rate the step achieves.
+``positions_per_s`` (mode ``train_rates``) times FLOPs per position is the rate the step achieves.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # its kernels.py is not the `kernels` package
-sys.path.insert(0, str(ROOT / "experiments"))
 
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -43,14 +39,14 @@ def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]
     """(FLOPs of one loss + backward, its loss positions at depth 1) on the first training sequences."""
     from hydra import compose, initialize_config_dir
 
-    import train as T
+    import run as T
     from specdec.data.config import build_target
     from specdec.kernels.dispatch import use_backend
     from specdec.training.data import load_data
     from specdec.training.recipe import load_recipe
 
     with initialize_config_dir(str(T.CONF_DIR), version_base=None):
-        cfg = T.to_train_config(compose(config_name=f"smollm2_{family}", overrides=overrides))
+        cfg = T.to_train_config(compose(config_name=f"train/smollm2_{family}", overrides=overrides))
     recipe = load_recipe(cfg.recipe, cfg.options)
     target = build_target(cfg.target)
     target.model.requires_grad_(False)
@@ -65,34 +61,27 @@ def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]
     return counter.get_total_flops(), int(recipe.loss_positions(b.lengths, b.response_start).sum())
 
 
-def main() -> None:
+def roofline(rates: str = "outputs/train_rates/rates.json", batch: int = 4, use: int = 48) -> list[dict]:
+    """FLOPs per trained position of every recipe, the one-thread bf16 matmul roof, and the share of it
+    that ``rates`` (mode ``train_rates``) achieved; written beside ``rates`` as ``flops.json``."""
     from benchmarks.train_rates import RECIPES
-    import train as T
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", type=Path, default=ROOT / "outputs" / "train_rates" / "rates.json")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--use", type=int, default=48)
-    args = ap.parse_args()
-    T.register_configs()
     torch.set_num_threads(1)
     roof = matmul_roof()
-    rates = {r["recipe"]: r for r in json.loads(args.rates.read_text())} if args.rates.exists() else {}
+    path = Path(rates)
+    measured = {r["recipe"]: r for r in json.loads(path.read_text())} if path.exists() else {}
     rows = []
     for family, extra in RECIPES.items():
-        flops, pos = step_flops(family, [f"data.use={args.use}", "data.cache_features=true",
-                                         f"data.path={ROOT / 'experiments/data/smollm2-135m'}", *extra], args.batch)
+        flops, pos = step_flops(family, [f"data.use={use}", "data.cache_features=true",
+                                         f"data.path={ROOT / 'experiments/data/smollm2-135m'}", *extra], batch)
         row = {"recipe": family, "flops_per_position": flops / pos, "roof_flops_per_s": roof,
                "roof_positions_per_s": roof / (flops / pos)}
-        if family in rates:
-            got = rates[family]["after"]["positions_per_s"]
+        if family in measured:
+            got = measured[family]["after"]["positions_per_s"]
             row.update(measured_positions_per_s=got, achieved_flops_per_s=got * flops / pos,
                        fraction_of_roof=got * flops / pos / roof)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = args.rates.parent / "flops.json"
-    out.write_text(json.dumps(rows, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / "flops.json").write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
