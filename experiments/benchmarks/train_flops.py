@@ -13,6 +13,7 @@ one-thread bf16 matmul rate (a 2048³ product under autocast, best of 5). ``rate
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,6 +39,7 @@ def matmul_roof(n: int = 2048) -> float:
 def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]:
     """(FLOPs of one loss + backward, its loss positions at depth 1) on the first training sequences."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
     import run as T
     from specdec.data.config import build_target
@@ -45,7 +47,8 @@ def step_flops(family: str, overrides: list[str], batch: int) -> tuple[int, int]
     from specdec.training.data import load_data
     from specdec.training.recipe import load_recipe
 
-    with initialize_config_dir(str(T.CONF_DIR), version_base=None):
+    # inside the runner's job Hydra is already set up on conf/; called on its own, it is set up here
+    with nullcontext() if GlobalHydra.instance().is_initialized() else initialize_config_dir(T.CONF_DIR, version_base=None):
         cfg = T.to_train_config(compose(config_name=f"train/smollm2_{family}", overrides=overrides))
     recipe = load_recipe(cfg.recipe, cfg.options)
     target = build_target(cfg.target)
