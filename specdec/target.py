@@ -153,6 +153,8 @@ class Target:
         self.capture = "eager" if compile else capture
         self._steps: CapturedSteps | None = None  # the captured step, made on first use for the device's mode
         self._arena: dict[tuple[str, int], tuple[Tensor, weakref.ref]] = {}  # K/V buffers a recording points at
+        self._static_store: KVStore | None = None  # the store of the step being recorded or replayed
+        self._static_names: tuple[str, ...] = ()  # its masks' layer types ("" for one mask)
         if pack:
             set_pack_budget(model, pack_budget)  # raises on a budget outside [0, 1]
         self.model = model.eval()
@@ -476,8 +478,11 @@ class Target:
             self._steps = CapturedSteps(self._static_step, self.capture_mode, dev)
         key = (m, names, req.layer_inputs, req.final_hidden, store.buffer_key())
         self._static_store, self._static_names = store, names
-        logits, hidden, final = self._steps(key, tokens.to(dev), plan.position_ids, plan.slots,
-                                            *(masks[n] for n in names))
+        try:
+            logits, hidden, final = self._steps(key, tokens.to(dev), plan.position_ids, plan.slots,
+                                                *(masks[n] for n in names))
+        finally:
+            self._static_store = None  # the session's store must die with it: the arena lends its buffers on
         return TargetOutput(logits, dict(zip(req.layer_inputs, hidden)), final)
 
     def _static_step(self, tokens: Tensor, positions: Tensor, slots: Tensor, *masks: Tensor
