@@ -351,18 +351,53 @@ def forward_times(target, device: str, B: int, context: int, ms: tuple[int, ...]
     return times
 
 
+def both_paths(target):
+    """The target's model as an eager target and as a captured one (``capture="graphs"``: CUDA graphs
+    on a GPU; on the dry run's CPU the same static step, unrecorded)."""
+    from specdec.target import Target
+
+    return Target(target.model, target.tokenizer, capture="eager"), Target(target.model, target.tokenizer, capture="graphs")
+
+
+def captured_step_syncs(target, device: str) -> str:
+    """One captured verify step (after its recording) under ``torch.cuda.set_sync_debug_mode("error")``:
+    ``"none"`` when nothing in the step, captured or not, waits for the device; else the error."""
+    if device != "cuda":
+        return "not checked (cpu)"
+    session = target.new_session(1, reserve=64)
+    target.prefill(session, [[1, 2, 3, 4]])
+    block = torch.tensor([[5, 6, 7]], device=device)
+    target.forward(session, block)  # records
+    target.commit(session, None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        target.forward(session, block)
+        return "none"
+    except RuntimeError as e:
+        return f"{e}".splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, Any]:
-    """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch."""
+    """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch; eager
+    and captured (``ms_captured``, ``t_over_t1_captured``) side by side."""
     f = FORWARD["dry" if dry else "real"]
+    eager, captured = both_paths(target)
     rows = []
     for B in f["batches"]:
         if not budget.allows(f"forward: B={B}", 2.0 if dry else 12.0):
             continue
-        times = forward_times(target, device, B, f["context"], f["ms"], f["reps"])
-        rows += [{"batch": B, "m": m, "context": f["context"], "ms": t * 1e3, "t_over_t1": t / times[f["ms"][0]]}
+        times = forward_times(eager, device, B, f["context"], f["ms"], f["reps"])
+        cap = forward_times(captured, device, B, f["context"], f["ms"], f["reps"])
+        rows += [{"batch": B, "m": m, "context": f["context"], "ms": t * 1e3, "t_over_t1": t / times[f["ms"][0]],
+                  "ms_captured": cap[m] * 1e3, "t_over_t1_captured": cap[m] / cap[f["ms"][0]]}
                  for m, t in times.items()]
     return {"model": "tiny llama (dry run)" if dry else "Llama-3.1-8B shape, random bf16 weights",
-            "dtype": str(target.dtype).removeprefix("torch."), "rows": rows}
+            "dtype": str(target.dtype).removeprefix("torch."), "rows": rows,
+            "captured": {"mode": captured.capture_mode, "recordings": captured._steps.captures if captured._steps else 0,
+                         "host_syncs_in_a_step": captured_step_syncs(captured, device)}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,16 +476,19 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
                   forward_rows: list[dict]) -> dict[str, Any]:
     """Per concurrency: autoregressive decoding, the planted drafter, and the planted drafter under
     the batch-aware prefix scheduler (:class:`specdec.policy.PrefixPolicy`, its confidences
-    the planted p, its costs the measured verify and draft times)."""
+    the planted p, its costs the measured verify and draft times); then, as ``captured_rows``, the
+    autoregressive and planted runs again with the target's steps captured."""
     from specdec.policy import PrefixPolicy
     from specdec.testing.planted import PlantedDrafter
 
+    target, captured = both_paths(target)  # the main rows eager, whatever the target's default
     prompt_len, new_tokens, concurrencies = (16, 12, (1, 4)) if dry else (128, 64, (1, 4, 16, 64))
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
     planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0)  # noqa: E731
     warm_verifier(target, k)
     decode(target, planted({}), [[1, 2, 3]], 4, k)  # warm-up: lazy CUDA initialisation, allocator
+    captured_rows: list[dict[str, Any]] = []
     for c in concurrencies:
         if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 9.0):
             continue
@@ -462,7 +500,15 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
         scheduled = decode(target, planted(conts), prompts, new_tokens, k, policy=PrefixPolicy(costs))
         rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
         costs_used[c] = {"source": source, **asdict(costs)}
-    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
+        if budget.allows(f"planted, captured: concurrency {c}", 2.0 if dry else 6.0):
+            ar_c = decode(captured, None, prompts, new_tokens, k)
+            spec_c = decode(captured, PlantedDrafter.create(captured, p=p, continuations=conts, seed=0), prompts,
+                            new_tokens, k)
+            captured_rows.append({"capture": captured.capture_mode, **compare(ar_c, spec_c, k),
+                                  "identical_to_eager": [r.tokens for r in spec_c.requests] == [r.tokens for r in ar.requests],
+                                  "ar_speedup_over_eager": ar.metrics.wall_s / ar_c.metrics.wall_s})
+    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used,
+            "captured_rows": captured_rows}
 
 
 def native_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
@@ -609,8 +655,14 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
     if "forward" in results:
         fr = results["forward"]
         out += ["## One target forward over m new tokens", "", f"{fr['model']}, {fr['dtype']}.", "",
-                "| batch | context | m | ms | t(m)/t(1) |", "|---|---|---|---|---|"]
-        out += [f"| {r['batch']} | {r['context']} | {r['m']} | {r['ms']:.2f} | {r['t_over_t1']:.2f} |" for r in fr["rows"]]
+                "| batch | context | m | ms | t(m)/t(1) | captured ms | captured t(m)/t(1) |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['batch']} | {r['context']} | {r['m']} | {r['ms']:.2f} | {r['t_over_t1']:.2f} "
+                f"| {_f(r.get('ms_captured'))} | {_f(r.get('t_over_t1_captured'))} |" for r in fr["rows"]]
+        if "captured" in fr:
+            cf = fr["captured"]
+            out += ["", f"Captured: `capture=\"graphs\"` resolved to `{cf['mode']}`, {cf['recordings']} recordings;"
+                        f" host syncs in a captured step: {cf['host_syncs_in_a_step']}."]
         out.append("")
     if "planted" in results:
         pr = results["planted"]
@@ -621,6 +673,13 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 " (`specdec.policy.PrefixPolicy`: confidences = the planted p, costs = the measured"
                 " verify times of a [concurrency, m] block and the planted run's draft time).", ""]
         out += _spec_table(pr["rows"], lead="scheduler")
+        if pr.get("captured_rows"):
+            out += ["Captured steps (every target step after the prefill replayed; no scheduler): the same"
+                    " requests, autoregressive and planted, both captured.", ""]
+            out += _spec_table(pr["captured_rows"], lead="capture")
+            out += ["| concurrency | identical to eager AR | captured AR speedup over eager AR |", "|---|---|---|"]
+            out += [f"| {r['concurrency']} | {r['identical_to_eager']} | {r['ar_speedup_over_eager']:.2f} |"
+                    for r in pr["captured_rows"]] + [""]
     if "mtp" in results:
         mr = results["mtp"]
         out += ["## Real acceptance: tiny DeepSeek-V3 with its MTP modules", "",

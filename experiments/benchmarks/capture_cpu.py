@@ -1,0 +1,97 @@
+"""Which capture mode is fastest on this CPU (what ``capture="auto"`` picks there): the library's
+autoregressive tokens/s in each mode, as a ratio to transformers' ``generate`` timed in the same
+run, and one verify block's forward time; compile time reported apart from the timed runs.
+
+    OMP_NUM_THREADS=2 python -m experiments.benchmarks.capture_cpu --model smollm2-135m --new 64 --reps 3
+
+Modes are interleaved within each repetition, so a change of the machine's load hits them alike;
+medians are reported. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import specdec
+from specdec.loop import Request, run
+from specdec.target import Target
+from specdec.verifiers import GreedyVerifier
+
+MODES = ("eager", "graphs", "compile")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--block", type=int, default=5, help="verify block length timed as one forward")
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args()
+    base = specdec.load_target(args.model, capture="eager")
+    modes = args.modes.split(",")
+    targets = {m: base if m == "eager" else Target(base.model, base.tokenizer, capture=m) for m in modes}
+    prompt = [(7 * i + 11) % 5000 + 100 for i in range(args.prompt_tokens)]
+
+    def library(t: Target) -> float:
+        start = time.perf_counter()
+        res = run(t, None, GreedyVerifier(), [Request(list(prompt), args.new)], eos_token_ids=set())
+        assert len(res.requests[0].tokens) == args.new
+        return args.new / (time.perf_counter() - start)
+
+    def hf() -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
+                                      min_new_tokens=args.new, do_sample=False)
+        assert out.shape[1] == len(prompt) + args.new
+        return args.new / (time.perf_counter() - start)
+
+    def block_ms(t: Target, reps: int = 10) -> float:
+        s = t.new_session(1, reserve=len(prompt) + args.block * (reps + 2))
+        t.prefill(s, [prompt])
+        block = torch.tensor([prompt[: args.block]])
+        times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            t.forward(s, block)
+            times.append(time.perf_counter() - start)
+            t.commit(s, None)
+        return 1e3 * statistics.median(times[1:])
+
+    warm = {}
+    for m, t in targets.items():  # first use records (graphs) or compiles (compile): timed apart
+        start = time.perf_counter()
+        library(t)
+        block_ms(t, reps=1)
+        warm[m] = time.perf_counter() - start
+    hf()
+    tps: dict[str, list[float]] = {m: [] for m in [*modes, "hf_generate"]}
+    blocks: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(args.reps):
+        tps["hf_generate"].append(hf())
+        for m, t in targets.items():
+            tps[m].append(library(t))
+            blocks[m].append(block_ms(t))
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    print(json.dumps({
+        "model": args.model, "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "prompt_tokens": args.prompt_tokens, "new_tokens": args.new, "reps": args.reps,
+        "tokens_per_s": {m: round(v, 2) for m, v in med.items()},
+        "ratio_to_hf_generate": {m: round(med[m] / med["hf_generate"], 3) for m in modes},
+        f"block{args.block}_forward_ms": {m: round(statistics.median(v), 2) for m, v in blocks.items()},
+        "first_use_s": {m: round(v, 1) for m, v in warm.items()},
+        "loadavg": open("/proc/loadavg").read().split()[:3],
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
