@@ -29,6 +29,7 @@ the call, outside the captured region.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-__all__ = ["MODES", "resolve", "CapturedSteps"]
+__all__ = ["MODES", "resolve", "CapturedSteps", "BufferArena"]
 
 MODES = ("auto", "eager", "graphs", "compile")
 WARMUP = 2  # eager runs on a side stream before a CUDA capture (lazy initialisation, autotuning)
@@ -135,3 +136,36 @@ class CapturedSteps:
             return tree_map(_clone, out)
 
         return replay
+
+
+class BufferArena:
+    """K/V buffers at addresses that outlive the KV store that uses them, so a recording made over
+    one session's store replays over the next one's of the same shapes (vLLM keeps one KV cache
+    for the whole server for the same reason).
+
+    :meth:`attach` makes a store take its K/V buffers from here: zeroed at first (a static step
+    attends over every slot, masked or not, and 0 × NaN would poison it; stale values from an
+    earlier session are finite and masked out), normal tensors rather than inference ones (a
+    compiled step may write them). A buffer goes to one live store at a time: while its holder
+    lives, another store of the same shapes gets a new one.
+    """
+
+    def __init__(self):
+        self._held: dict[Hashable, tuple[Tensor, weakref.ref]] = {}
+
+    def attach(self, store) -> None:
+        ref = weakref.ref(store)
+        store.alloc = lambda key, shape, like: self.buffer(ref, key, shape, like)
+
+    def buffer(self, store: weakref.ref, key: Hashable, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        with torch.inference_mode(False):
+            held = self._held.get(key)
+            if held is not None and held[0].shape == shape and held[0].dtype == like.dtype and held[0].device == like.device:
+                owner = held[1]()
+                if owner is None or owner is store():
+                    self._held[key] = (held[0], store)
+                    return held[0]
+                return like.new_zeros(shape)
+            fresh = like.new_zeros(shape)
+            self._held[key] = (fresh, store)
+            return fresh

@@ -250,6 +250,20 @@ class KVStore:
         v.index_copy_(2, slots, values)
         return k, v
 
+    def buffers(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s whole K/V buffers [B, H, capacity, D] (a captured step reads every slot,
+        masking those past :attr:`num_slots`)."""
+        k, v = self._keys[i], self._values[i]
+        if k is None or v is None:
+            raise ValueError(f"layer {i} holds no K/V (it never wrote any)")
+        return k, v
+
+    def static_valid(self) -> Tensor:
+        """[B, capacity] bool: the committed slots, False past :attr:`num_slots` (a static mask)."""
+        out = torch.zeros_like(self._valid)
+        out[:, : self.num_slots] = self.valid
+        return out
+
     def buffer_key(self) -> tuple:
         """What a recording over this store depends on: the batch, the capacity and every K/V
         buffer's address (a reallocation, a new store or fewer rows all mean another recording)."""

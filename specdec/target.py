@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 
 from specdec import capture as capture_modes
 from specdec import gqa_attention
-from specdec.capture import CapturedSteps
+from specdec.capture import BufferArena, CapturedSteps
 from specdec.few_rows import PACK_BUDGET, Plan, autotune, few_rows, install, plan_for, plan_record, set_pack_budget
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
@@ -152,7 +152,7 @@ class Target:
                              " compiling the step: choose one")
         self.capture = "eager" if compile else capture
         self._steps: CapturedSteps | None = None  # the captured step, made on first use for the device's mode
-        self._arena: dict[tuple[str, int], tuple[Tensor, weakref.ref]] = {}  # K/V buffers a recording points at
+        self._arena = BufferArena()  # the K/V buffers a recording points at, lent to each session in turn
         self._static_store: KVStore | None = None  # the store of the step being recorded or replayed
         self._static_names: tuple[str, ...] = ()  # its masks' layer types ("" for one mask)
         if pack:
@@ -391,12 +391,11 @@ class Target:
     def new_session(self, batch: int, reserve: int = 0) -> TargetSession:
         """A session for ``batch`` rows; ``reserve`` slots of KV are allocated up front (the longest
         row the run can reach), so the store never grows past it block by block. Under capture the
-        K/V buffers come from the target's arena (:meth:`_arena_buffer`), so the next session of the
+        K/V buffers come from the target's arena (:class:`~specdec.capture.BufferArena`), so the next session of the
         same shapes replays the recordings of the last."""
         store = self.new_store(batch)
         if self.capture_mode != "eager":
-            ref = weakref.ref(store)
-            store.alloc = lambda key, shape, like: self._arena_buffer(ref, key, shape, like)
+            self._arena.attach(store)
         store.reserve(reserve)
         return TargetSession(store)
 
@@ -404,26 +403,6 @@ class Target:
     def capture_mode(self) -> str:
         """What ``capture`` resolves to on this target's device: ``"eager"``, ``"graphs"`` or ``"compile"``."""
         return capture_modes.resolve(self.capture, self.device)
-
-    def _arena_buffer(self, store: weakref.ref, key: tuple[str, int], shape: tuple[int, ...], like: Tensor) -> Tensor:
-        """A zeroed K/V buffer at an address that outlives ``store``: the one the last store of these
-        shapes used once no live store holds it (a captured step points at it), else a new one
-        (kept for the next session of these shapes). Stale values past a row's slots are masked out."""
-        held = self._arena.get(key)
-        with torch.inference_mode(False):  # a normal tensor: a compiled step may write it
-            return self._arena_pick(held, store, key, shape, like)
-
-    def _arena_pick(self, held, store, key, shape, like) -> Tensor:
-        if held is not None and held[0].shape == shape and held[0].dtype == like.dtype and held[0].device == like.device:
-            owner = held[1]()
-            if owner is None or owner is store():
-                self._arena[key] = (held[0], store)
-                return held[0]
-            if owner is not None:  # another live session uses it: this one gets its own
-                return like.new_zeros(shape)
-        buffer = like.new_zeros(shape)
-        self._arena[key] = (buffer, store)
-        return buffer
 
     @torch.inference_mode()
     def forward(self, session: TargetSession, tokens: Tensor, parents: Tensor | None = None,

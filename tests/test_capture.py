@@ -161,3 +161,22 @@ def test_the_captured_region_is_one_whole_graph(family, monkeypatch):
     assert t._steps.mode == "compile" and t._steps.calls == out.metrics.batch_steps
     ref = run(Target(m, capture="eager"), None, GreedyVerifier(), reqs(), eos_token_ids=set())
     assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark"])
+def test_the_block_drafters_forward_is_captured_every_step(model, monkeypatch, mode, name):
+    """The block drafters' per-step forward runs through their captured block on every propose,
+    as one whole graph under "compile"; the output is the eager run's."""
+    monkeypatch.setattr(capture, "COMPILE_BACKEND", "eager")
+    reqs = lambda: [Request(p, 8) for p in PROMPTS]  # noqa: E731
+    t = Target(model, capture=mode)
+    drafter = DRAFTERS[name].tiny(t)
+    out = run(t, drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert drafter._steps is not None and drafter._steps.mode == mode
+    assert drafter._steps.calls == out.metrics.batch_steps  # one block forward per step, every one captured
+    eager = Target(model, capture="eager")
+    ref_drafter = DRAFTERS[name].tiny(eager)
+    ref = run(eager, ref_drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert ref_drafter._steps is None
+    assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
