@@ -264,6 +264,11 @@ class KVStore:
         out[:, : self.num_slots] = self.valid
         return out
 
+    def static_slot_pos(self) -> Tensor:
+        """[B, capacity] each slot's position (meaningless past :attr:`num_slots`, where
+        :meth:`static_valid` is False)."""
+        return self._slot_pos
+
     def buffer_key(self) -> tuple:
         """What a recording over this store depends on: the batch, the capacity and every K/V
         buffer's address (a reallocation, a new store or fewer rows all mean another recording)."""

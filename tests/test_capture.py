@@ -180,3 +180,19 @@ def test_the_block_drafters_forward_is_captured_every_step(model, monkeypatch, m
     ref = run(eager, ref_drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
     assert ref_drafter._steps is None
     assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+@pytest.mark.parametrize("case", ["gemma_mtp[tiny]", "gemma_mtp[ordered_embeddings]"])
+def test_the_gemma_assistant_pass_is_captured_every_draft(model, monkeypatch, mode, case):
+    """The Gemma-style assistant reads the captured target's cache over its whole capacity: each of
+    its k passes a step runs through its captured pass, equal to the eager run."""
+    monkeypatch.setattr(capture, "COMPILE_BACKEND", "eager")
+    reqs = lambda: [Request(p, 8) for p in PROMPTS]  # noqa: E731
+    t = Target(model, capture=mode)
+    drafter = CASES[case](t)
+    out = run(t, drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert drafter._steps is not None and drafter._steps.calls == 3 * out.metrics.batch_steps
+    eager = Target(model, capture="eager")
+    ref = run(eager, CASES[case](eager), GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
