@@ -196,3 +196,20 @@ def test_the_gemma_assistant_pass_is_captured_every_draft(model, monkeypatch, mo
     eager = Target(model, capture="eager")
     ref = run(eager, CASES[case](eager), GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
     assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+@pytest.mark.parametrize("case", ["eagle3[tiny]", "eagle3[static_tree]", "eagle3[dynamic_tree]", "eagle3[window]",
+                                  "eagle3[bf16_draft]"])
+def test_the_eagle3_draft_blocks_are_captured(model, monkeypatch, mode, case):
+    """Every block of EAGLE-3 draft nodes runs through its captured block (one whole graph under
+    "compile"), equal to the eager run."""
+    monkeypatch.setattr(capture, "COMPILE_BACKEND", "eager")
+    reqs = lambda: [Request(p, 8) for p in PROMPTS]  # noqa: E731
+    t = Target(model, capture=mode)
+    drafter = CASES[case](t)
+    out = run(t, drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert drafter._steps is not None and drafter._steps.calls >= 2 * out.metrics.batch_steps  # a block per depth
+    eager = Target(model, capture="eager")
+    ref = run(eager, CASES[case](eager), GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
