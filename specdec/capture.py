@@ -153,9 +153,11 @@ class BufferArena:
     def __init__(self):
         self._held: dict[Hashable, tuple[Tensor, weakref.ref]] = {}
 
-    def attach(self, store) -> None:
+    def attach(self, store, tag: Hashable = None) -> None:
+        """``store`` takes its K/V buffers from here; ``tag`` tells apart stores that live side by
+        side (a drafter's streams), each then keeping its own buffers across sessions."""
         ref = weakref.ref(store)
-        store.alloc = lambda key, shape, like: self.buffer(ref, key, shape, like)
+        store.alloc = lambda key, shape, like: self.buffer(ref, (tag, key), shape, like)
 
     def buffer(self, store: weakref.ref, key: Hashable, shape: tuple[int, ...], like: Tensor) -> Tensor:
         with torch.inference_mode(False):

@@ -258,6 +258,10 @@ class KVStore:
             raise ValueError(f"layer {i} holds no K/V (it never wrote any)")
         return k, v
 
+    def has_buffers(self, i: int) -> bool:
+        """Whether layer ``i`` has written (its buffers exist: a static write can follow)."""
+        return self._keys[i] is not None
+
     def static_valid(self) -> Tensor:
         """[B, capacity] bool: the committed slots, False past :attr:`num_slots` (a static mask)."""
         out = torch.zeros_like(self._valid)

@@ -213,3 +213,20 @@ def test_the_eagle3_draft_blocks_are_captured(model, monkeypatch, mode, case):
     eager = Target(model, capture="eager")
     ref = run(eager, CASES[case](eager), GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
     assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
+
+
+@pytest.mark.parametrize("mode", ["graphs", "compile"])
+@pytest.mark.parametrize("case", ["mtp[tiny]", "mtp[bf16_head]", "mtp[draft_vocab]"])
+def test_the_mtp_streams_are_captured(model, monkeypatch, mode, case):
+    """Every MTP stream's block runs through its captured module (one whole graph under "compile"),
+    equal to the eager run."""
+    monkeypatch.setattr(capture, "COMPILE_BACKEND", "eager")
+    reqs = lambda: [Request(p, 8) for p in PROMPTS]  # noqa: E731
+    t = Target(model, capture=mode)
+    drafter = CASES[case](t)
+    out = run(t, drafter, GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    # a block per stream and step, each stream's first (which allocates its cache) eager
+    assert drafter._steps is not None and drafter._steps.calls == 3 * (out.metrics.batch_steps - 1)
+    eager = Target(model, capture="eager")
+    ref = run(eager, CASES[case](eager), GreedyVerifier(), reqs(), k=3, eos_token_ids=set())
+    assert [r.tokens for r in out.requests] == [r.tokens for r in ref.requests]
