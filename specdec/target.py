@@ -315,10 +315,11 @@ class Target:
         return KVStore(batch, self.device, self.dtype, self.num_layers if num_layers is None else num_layers,
                        self.layer_types, self.sliding_window)
 
-    def kv_cache(self, store: KVStore) -> StoreCache:
+    def kv_cache(self, store: KVStore, slots: Tensor | None = None) -> StoreCache:
         """``store`` as the cache object the target's layer modules take (a transformers ``Cache``
-        whose layer ``i`` writes into the store's layer ``i``)."""
-        return StoreCache(store, compiled=self._compiled)
+        whose layer ``i`` writes into the store's layer ``i``); ``slots`` [m] for a captured step:
+        the block written at those slots, attention over the whole buffers (a ``static`` plan's)."""
+        return StoreCache(store, compiled=self._compiled, slots=slots)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise every submodule of ``module`` the way the target's model initialises its own."""
@@ -472,7 +473,7 @@ class Target:
         mask = masks[0] if names == ("",) else dict(zip(names, masks))
         self._captured = {}
         out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions,
-                           cache=StoreCache(self._static_store, slots=slots), use_cache=True)
+                           cache=self.kv_cache(self._static_store, slots), use_cache=True)
         logits = self.lm_head(out.last_hidden_state)
         cap = getattr(self.text_config, "final_logit_softcapping", None)
         if cap:

@@ -58,7 +58,6 @@ from specdec.kernels import fused_norm_concat_linear, rms_norm_params
 from specdec.kv import BlockPlan, KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
-from specdec.target_cache import StoreCache
 from specdec.types import Committed, DraftProposal, Requirements
 from specdec.validate import as_float_dtype, as_int
 
@@ -310,7 +309,7 @@ class MTPDrafter(Drafter):
         """The captured region: one MTP module over a stream cache's whole buffers."""
         assert self._static is not None
         store, index = self._static
-        return self.modules[index](embeds, hid, (cos, sin), pos, mask, StoreCache(store, slots=slots))
+        return self.modules[index](embeds, hid, (cos, sin), pos, mask, self.target.kv_cache(store, slots))
 
     def _run_stream(self, state: MTPState, j: int, tent, drafts):
         """One forward of stream ``j``: its new committed slots (kept in its cache) plus, per branch,

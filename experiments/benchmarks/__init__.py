@@ -6,6 +6,7 @@ thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for
 - ``peak_memory``: peak RSS of one long-context generation, a process per method (``generate()`` beside them).
 - ``kernels``: the rejection-sampler kernel against its torch reference.
 - ``compile_kernels``: every Triton kernel compiled for real GPU targets, no GPU needed.
+- ``capture_cpu``: each capture mode of the target's step on this CPU (what ``capture="auto"`` picks), beside ``generate()``.
 - ``gpu``: the GPU kit (``make gpu-bench``, docs/gpu.md).
 - ``learning_curves``: every learned drafter trained at equal data and compute, and its curves.
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.

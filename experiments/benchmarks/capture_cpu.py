@@ -2,7 +2,7 @@
 autoregressive tokens/s in each mode, as a ratio to transformers' ``generate`` timed in the same
 run, and one verify block's forward time; compile time reported apart from the timed runs.
 
-    OMP_NUM_THREADS=2 python -m experiments.benchmarks.capture_cpu --model smollm2-135m --new 64 --reps 3
+    OMP_NUM_THREADS=2 .venv/bin/python experiments/bench.py capture_cpu --model smollm2-135m --new 64 --reps 3
 
 Modes are interleaved within each repetition, so a change of the machine's load hits them alike;
 medians are reported. Prints one JSON object.
@@ -14,13 +14,13 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 
 import specdec
 from specdec.loop import Request, run
 from specdec.target import Target
+from specdec.timing import now
 from specdec.verifiers import GreedyVerifier
 
 MODES = ("eager", "graphs", "compile")
@@ -41,19 +41,19 @@ def main() -> None:
     prompt = [(7 * i + 11) % 5000 + 100 for i in range(args.prompt_tokens)]
 
     def library(t: Target) -> float:
-        start = time.perf_counter()
+        start = now()
         res = run(t, None, GreedyVerifier(), [Request(list(prompt), args.new)], eos_token_ids=set())
         assert len(res.requests[0].tokens) == args.new
-        return args.new / (time.perf_counter() - start)
+        return args.new / (now() - start)
 
     def hf() -> float:
         ids = torch.tensor([prompt])
-        start = time.perf_counter()
+        start = now()
         with torch.inference_mode():
             out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new,
                                       min_new_tokens=args.new, do_sample=False)
         assert out.shape[1] == len(prompt) + args.new
-        return args.new / (time.perf_counter() - start)
+        return args.new / (now() - start)
 
     def block_ms(t: Target, reps: int = 10) -> float:
         s = t.new_session(1, reserve=len(prompt) + args.block * (reps + 2))
@@ -61,18 +61,18 @@ def main() -> None:
         block = torch.tensor([prompt[: args.block]])
         times = []
         for _ in range(reps + 1):
-            start = time.perf_counter()
+            start = now()
             t.forward(s, block)
-            times.append(time.perf_counter() - start)
+            times.append(now() - start)
             t.commit(s, None)
         return 1e3 * statistics.median(times[1:])
 
     warm = {}
     for m, t in targets.items():  # first use records (graphs) or compiles (compile): timed apart
-        start = time.perf_counter()
+        start = now()
         library(t)
         block_ms(t, reps=1)
-        warm[m] = time.perf_counter() - start
+        warm[m] = now() - start
     hf()
     tps: dict[str, list[float]] = {m: [] for m in [*modes, "hf_generate"]}
     blocks: dict[str, list[float]] = {m: [] for m in modes}

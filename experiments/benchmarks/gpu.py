@@ -122,7 +122,7 @@ from benchmarks.kernels import make_inputs  # noqa: E402  (experiments/ is the c
 from specdec.kernels import (gather_slots, markov_sample, norm_concat_linear, rejection_sample,  # noqa: E402
                              triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
-from specdec.timing import measure, now  # noqa: E402
+from specdec.timing import measure, now, sync  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
 CHECKPOINT = ROOT / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
@@ -369,7 +369,7 @@ def captured_step_syncs(target, device: str) -> str:
     block = torch.tensor([[5, 6, 7]], device=device)
     target.forward(session, block)  # records
     target.commit(session, None)
-    torch.cuda.synchronize()
+    sync(device)
     torch.cuda.set_sync_debug_mode("error")
     try:
         target.forward(session, block)
