@@ -7,6 +7,7 @@ thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for
 - ``kernels``: the rejection-sampler kernel against its torch reference.
 - ``compile_kernels``: every Triton kernel compiled for real GPU targets, no GPU needed.
 - ``capture_cpu``: each capture mode of the target's step on this CPU (what ``capture="auto"`` picks), beside ``generate()``.
+- ``ar_ratio``: the library's autoregressive tokens/s over ``generate()``, best of interleaved repetitions.
 - ``gpu``: the GPU kit (``make gpu-bench``, docs/gpu.md).
 - ``learning_curves``: every learned drafter trained at equal data and compute, and its curves.
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
