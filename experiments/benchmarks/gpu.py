@@ -26,15 +26,17 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
    one forward over m new tokens after a 512-token context, ``t(m)/t(1)``, at batch 1, 4, 16, 64;
    the block is dropped after each forward and the store marked dense again, so every timed
-   forward runs without a mask, as plain decoding does.
+   forward runs without a mask, as plain decoding does. The same table again with the step
+   captured (``capture="graphs"``: CUDA graphs, docs/capture.md), side by side.
 3. **planted**: end-to-end greedy decoding on that target at concurrency 1, 4, 16, 64 with
    :class:`PlantedDrafter` (its own greedy continuation, each position accepted with probability
    p), k drafts every step and again under the batch-aware prefix scheduler
    (:class:`specdec.policy.PrefixPolicy`: DSpark's rule, its confidences the planted p, its
    costs the forward section's verify times at that batch and the planted run's draft time):
    measured speedup vs the same loop without a drafter, and the speedup predicted from acceptance
-   and measured costs (``specdec.eval.runner.predicted_speedup``), for both. A systems benchmark:
-   acceptance is planted.
+   and measured costs (``specdec.eval.runner.predicted_speedup``), for both; then the
+   autoregressive and planted runs again on the captured target (``captured_rows``). A systems
+   benchmark: acceptance is planted.
 4. **mtp**: the committed tiny DeepSeek-V3 with its MTP modules, fp32 and bf16, k = 1..4: greedy
    output identical to autoregressive decoding, acceptance, speedup. Every timed run follows the
    same run untimed (kernel compiles and autotuning land there).
@@ -387,7 +389,7 @@ def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, A
     eager, captured = both_paths(target)
     rows = []
     for B in f["batches"]:
-        if not budget.allows(f"forward: B={B}", 2.0 if dry else 12.0):
+        if not budget.allows(f"forward: B={B}", 2.0 if dry else 24.0):
             continue
         times = forward_times(eager, device, B, f["context"], f["ms"], f["reps"])
         cap = forward_times(captured, device, B, f["context"], f["ms"], f["reps"])
