@@ -126,8 +126,12 @@ class CapturedSteps:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.fn(*static)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.fn(*static)
+        except RuntimeError as e:  # an op that cannot be recorded (a host sync, a CPU tensor ...)
+            raise RuntimeError(f"recording the step in a CUDA graph failed: {e}. capture='eager' runs it"
+                               " unrecorded") from e
 
         def replay(xs: tuple[Tensor, ...]) -> Any:
             for s, x in zip(static, xs):
