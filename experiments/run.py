@@ -76,6 +76,8 @@ LAB_MODES: dict[str, str] = {
     "preset_steps": "benchmarks.preset_steps:table",
     "train_rates": "benchmarks.train_rates:compare",
     "train_flops": "benchmarks.train_flops:roofline",
+    "capture_cpu": "benchmarks.capture_cpu:compare_modes",
+    "ar_ratio": "benchmarks.ar_ratio:ratio",
 }
 
 

@@ -25,11 +25,13 @@ __all__ = ["load_target", "make_drafter", "make_verifier", "generate", "Generati
 
 def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype = torch.float32,
                 device_map: str | dict | None = None, threads: int | None = None, compile: bool | str = False,
-                fast: bool = True, pack: bool = True, autotune: bool = True) -> Target:
+                fast: bool = True, pack: bool = True, autotune: bool = True, capture: str = "auto") -> Target:
     """A :class:`Target` from a loaded model, an alias such as ``"smollm2-135m"``, or a folder.
 
     ``threads``: torch's CPU threads (default: :func:`specdec.target.set_threads` picks them from
-    the machine unless the user already chose); ``compile``, ``fast`` and ``pack``: see :class:`Target`.
+    the machine unless the user already chose); ``compile``, ``fast``, ``pack`` and ``capture`` (each
+    step after the prefill recorded once per shape and replayed: CUDA graphs by default on CUDA, eager
+    on a CPU; :mod:`specdec.capture`): see :class:`Target`.
     ``autotune``: on a CPU, tune the few-row plan of the linear layers here, before any timed run
     (:meth:`Target.tune`: read from the on-disk cache and spot-checked, else measured once for this
     machine, about ten seconds for SmolLM2, and cached; never on a busy machine, which keeps the
@@ -40,12 +42,12 @@ def load_target(model: str | torch.nn.Module, tokenizer=None, dtype: torch.dtype
         raise TypeError(f"autotune must be a bool, got {type(autotune).__name__}")
     set_threads(threads)
     if isinstance(model, torch.nn.Module):  # a loaded causal LM (a transformers PreTrainedModel)
-        target = Target(model, tokenizer, fast=fast, compile=compile, pack=pack)
+        target = Target(model, tokenizer, fast=fast, compile=compile, pack=pack, capture=capture)
     else:
         from specdec.models import load_model
 
         loaded, tok = load_model(model, dtype=dtype, device_map=device_map)
-        target = Target(loaded, tokenizer or tok, fast=fast, compile=compile, pack=pack)
+        target = Target(loaded, tokenizer or tok, fast=fast, compile=compile, pack=pack, capture=capture)
     if autotune:
         target.tune()
     return target
@@ -171,5 +173,6 @@ def generate(target: Target, prompts: str | list[str] | list[list[int]], drafter
                                    drafter.name if drafter is not None else None, verifier.name, verifier.lossless,
                                    k if drafter is not None else 0,
                                    policy.name if policy is not None and drafter is not None else None,
-                                   few_rows=target.row_plan_record(), kernels=kernel_choices())
+                                   few_rows=target.row_plan_record(), kernels=kernel_choices(),
+                                   capture=target.capture_mode)
     return GenerationResult(texts, tokens, result, summary)

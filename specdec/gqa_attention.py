@@ -70,7 +70,7 @@ class _GroupedSDPA:
         nothing else to apply: ``"packed"`` for one query without a mask or a block under a 4-D mask
         shared by the heads, over exactly the keys; ``"gqa"`` under per-head masks;
         None (the wrapped function) otherwise."""
-        if not (_ACTIVE.get() and not torch.compiler.is_compiling() and query.device.type == "cpu" and not dropout
+        if not (not torch.compiler.is_compiling() and _ACTIVE.get() and query.device.type == "cpu" and not dropout
                 and key.shape[1] < query.shape[1] and query.shape[1] % key.shape[1] == 0
                 and key.shape[-1] == value.shape[-1] and all(kwargs.get(k) is None for k in _UNSUPPORTED)):
             return None

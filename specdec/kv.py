@@ -37,6 +37,7 @@ slots is exact (``plan(None, implicit_causal=True)`` returns ``attention_mask=No
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class BlockPlan:
 
     attention_mask: Tensor | dict[str, Tensor] | None  # None: the model's own causal mask is exact
     position_ids: Tensor  # [B, m]
+    slots: Tensor | None = None  # [m] the block's slots, for a static plan (masks over the whole capacity)
 
 
 class KVStore:
@@ -106,6 +108,9 @@ class KVStore:
         self._pending: Tensor | None = None  # positions of the block awaiting commit [B, m]
         self.block_writes = 0  # layers that wrote the planned block's K/V (a forward that wrote none never saw the store)
         self.dense = True  # no holes: every slot is valid and slot index == position (host-known)
+        # where K/V buffers come from: None allocates (uninitialised); a function (key, shape, like) -> a
+        # zeroed tensor gives buffers at addresses that outlive the store (a captured step's arena)
+        self.alloc = None
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -147,12 +152,16 @@ class KVStore:
     # --- one block: plan, write, commit -----------------------------------------------------
     @torch.inference_mode()
     def plan(self, parents: Tensor | None = None, length: int | None = None,
-             implicit_causal: bool = False) -> BlockPlan:
+             implicit_causal: bool = False, static: bool = False) -> BlockPlan:
         """Mask and positions for a block whose tokens have block-local ``parents`` [B, m], or for
         a chain of ``length`` tokens (``parents=None``: no ancestor matrix to build).
 
         ``implicit_causal``: the caller's model builds its own causal mask over slots (transformers
         does when given no mask), so a chain over a :attr:`dense` store gets ``attention_mask=None``.
+        ``static``: for a captured step (:meth:`write_static`): the masks span the buffers' whole
+        capacity (every slot past the used ones and the block masked out) and the plan carries the
+        block's slot indices, so the step's shapes depend on the batch, the block and the capacity
+        only, never on how many slots are used.
         """
         if self._pending is not None:
             raise RuntimeError("commit() the previous block before planning the next one")
@@ -172,16 +181,37 @@ class KVStore:
         self._reserve(S + m)
         self._pending = positions
         self.block_writes = 0
+        if static:
+            return self._static_plan(block, positions)
         if parents is None and implicit_causal and self.dense:
             return BlockPlan(None, positions)
         allowed = torch.cat([self.valid.unsqueeze(1).expand(B, m, S), block], dim=-1)  # [B, m, S + m]
+        return BlockPlan(self._masks(allowed, lambda: torch.cat([self.slot_pos, positions], dim=-1), positions), positions)
+
+    def _static_plan(self, block: Tensor, positions: Tensor) -> BlockPlan:
+        """The block's plan over the whole capacity: slots ``[S, S + m)`` hold the block."""
+        (B, m), S, C = positions.shape, self.num_slots, self.capacity
+        allowed = torch.zeros(B, m, C, dtype=torch.bool, device=self.device)
+        allowed[:, :, :S] = self.valid.unsqueeze(1)
+        allowed[:, :, S: S + m] = block
+
+        def key_pos() -> Tensor:
+            pos = self._slot_pos.clone()
+            pos[:, S: S + m] = positions
+            return pos
+
+        slots = torch.arange(S, S + m, device=self.device)
+        return BlockPlan(self._masks(allowed, key_pos, positions), positions, slots)
+
+    def _masks(self, allowed: Tensor, key_pos: Callable[[], Tensor], positions: Tensor) -> Tensor | dict[str, Tensor]:
+        """The additive mask of ``allowed`` [B, m, keys], one per layer type where some layers slide
+        (``key_pos()`` [B, keys]: each key's position, built only then)."""
         mask = self._additive(allowed)
         if self.layer_types and self.sliding_window and "sliding_attention" in self.layer_types:
-            key_pos = torch.cat([self.slot_pos, positions], dim=-1)  # [B, S + m]
-            in_window = positions.unsqueeze(-1) - key_pos.unsqueeze(1) < self.sliding_window
+            in_window = positions.unsqueeze(-1) - key_pos().unsqueeze(1) < self.sliding_window
             masks = {"full_attention": mask, "sliding_attention": self._additive(allowed & in_window)}
-            return BlockPlan({t: masks[t] for t in set(self.layer_types)}, positions)
-        return BlockPlan(mask, positions)
+            return {t: masks[t] for t in set(self.layer_types)}
+        return mask
 
     def _additive(self, allowed: Tensor) -> Tensor:
         neg = torch.finfo(self.dtype).min
@@ -198,14 +228,59 @@ class KVStore:
         if self._keys[i] is None:  # buffers are uninitialised: a layer must write every block from the first
             if S:
                 raise RuntimeError(f"layer {i} wrote nothing for the first {S} slots")
-            self._keys[i] = keys.new_empty(*keys.shape[:2], self.capacity, keys.shape[3])
-            self._values[i] = values.new_empty(*values.shape[:2], self.capacity, values.shape[3])
+            self._keys[i] = self._buffer(("k", i), keys)
+            self._values[i] = self._buffer(("v", i), values)
         k, v = self._keys[i], self._values[i]
         assert k is not None and v is not None
         k[:, :, S:end] = keys
         v[:, :, S:end] = values
         self.block_writes += 1
         return k[:, :, :end], v[:, :, :end]
+
+    def _buffer(self, key: tuple[str, int], like: Tensor) -> Tensor:
+        """A K or V buffer [B, H, capacity, D] for a block like ``like`` (see :attr:`alloc`)."""
+        shape = (*like.shape[:2], self.capacity, like.shape[3])
+        return like.new_empty(*shape) if self.alloc is None else self.alloc(key, shape, like)
+
+    def write_static(self, i: int, keys: Tensor, values: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s K/V of a block planned with ``static=True`` written at ``slots`` [m]; returns
+        the layer's whole buffers [B, H, capacity, D]. Device work only (no check, no host read, no
+        allocation): the form a captured step records. The layer must have written before (the
+        prefill, which runs uncaptured, allocates the buffers)."""
+        k, v = self._keys[i], self._values[i]
+        assert k is not None and v is not None, "a static write needs the buffers a prefill allocated"
+        k.index_copy_(2, slots, keys)
+        v.index_copy_(2, slots, values)
+        return k, v
+
+    def buffers(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s whole K/V buffers [B, H, capacity, D] (a captured step reads every slot,
+        masking those past :attr:`num_slots`)."""
+        k, v = self._keys[i], self._values[i]
+        if k is None or v is None:
+            raise ValueError(f"layer {i} holds no K/V (it never wrote any)")
+        return k, v
+
+    def has_buffers(self, i: int) -> bool:
+        """Whether layer ``i`` has written (its buffers exist: a static write can follow)."""
+        return self._keys[i] is not None
+
+    def static_valid(self) -> Tensor:
+        """[B, capacity] bool: the committed slots, False past :attr:`num_slots` (a static mask)."""
+        out = torch.zeros_like(self._valid)
+        out[:, : self.num_slots] = self.valid
+        return out
+
+    def static_slot_pos(self) -> Tensor:
+        """[B, capacity] each slot's position (meaningless past :attr:`num_slots`, where
+        :meth:`static_valid` is False)."""
+        return self._slot_pos
+
+    def buffer_key(self) -> tuple:
+        """What a recording over this store depends on: the batch, the capacity and every K/V
+        buffer's address (a reallocation, a new store or fewer rows all mean another recording)."""
+        return (self.batch, self.capacity,
+                tuple(0 if x is None else x.data_ptr() for x in (*self._keys, *self._values)))
 
     @torch.inference_mode()
     def commit(self, keep: Tensor | int | None = None) -> None:
@@ -250,7 +325,12 @@ class KVStore:
         def moved(x: Tensor, dim: int) -> Tensor:
             used = x.narrow(dim, 0, self.num_slots)
             used = used if rows is None else used[rows]
-            out = x.new_empty(*used.shape[:dim], capacity, *used.shape[dim + 1:])
+            shape = (*used.shape[:dim], capacity, *used.shape[dim + 1:])
+            if self.alloc is None or x.dtype == torch.bool or x.dtype == torch.long:
+                out = x.new_empty(*shape)
+            else:  # a static step reads every slot, and a compiled one writes only normal tensors
+                with torch.inference_mode(False):
+                    out = x.new_zeros(*shape)
             out.narrow(dim, 0, self.num_slots).copy_(used)
             return out
 

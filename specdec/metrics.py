@@ -148,15 +148,17 @@ class GenerationSummary:
     # which path each GPU kernel took, per shape bucket (specdec.kernels.choice.record: kernel, shape,
     # backend, source, both times); None where no choice was made (off the GPU, or a forced backend)
     kernels: list[dict[str, Any]] | None = None
+    # how the target's steps after the prefill ran (specdec.capture): "eager", "graphs" or "compile"
+    capture: str = "eager"
 
     @classmethod
     def of(cls, requests: list[RequestMetrics], run: RunMetrics, drafter: str | None, verifier: str,
            lossless: bool, k: int, policy: str | None = None, few_rows: dict[str, Any] | None = None,
-           kernels: list[dict[str, Any]] | None = None) -> GenerationSummary:
+           kernels: list[dict[str, Any]] | None = None, capture: str = "eager") -> GenerationSummary:
         per_step = 1e3 / run.batch_steps if run.batch_steps else 0.0
         decoding_s = run.wall_s - run.prefill_s
         return cls(drafter=drafter, verifier=verifier, lossless=lossless, k=k, policy=policy, few_rows=few_rows,
-                   kernels=kernels or None,
+                   kernels=kernels or None, capture=capture,
                    prompt_tokens=sum(r.prompt_tokens for r in requests), **summarize(requests),
                    **{k_: v for k_, v in run.to_dict().items() if k_ != "new_tokens"},
                    draft_ms_per_step=run.draft_s * per_step, verify_ms_per_step=(run.target_s + run.verify_s) * per_step,

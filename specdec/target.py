@@ -21,6 +21,11 @@ this machine (``pack=False``: never the packed copy), and a masked
 block's attention reads grouped KV heads without repeating them (:mod:`specdec.gqa_attention`).
 ``compile=True`` runs the decoder through ``torch.compile``. :func:`set_threads` picks torch's
 CPU threads from the machine unless the user already chose.
+
+**Captured steps** (``capture=``, :mod:`specdec.capture`; docs/capture.md): every block after the
+prefill (each verify and decode step) runs in a static form, recorded once per (batch, block
+length, KV capacity, buffers, features asked for) and replayed: CUDA graphs by default on CUDA,
+the eager fast paths by default on a CPU (where they measured faster).
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from specdec import capture as capture_modes
 from specdec import gqa_attention
+from specdec.capture import BufferArena, CapturedSteps
 from specdec.few_rows import PACK_BUDGET, Plan, autotune, few_rows, install, plan_for, plan_record, set_pack_budget
 from specdec.gqa_attention import grouped
 from specdec.kv import KVStore
@@ -131,12 +138,24 @@ class Target:
     rows, which holds a second copy of the weights it packs (:mod:`specdec.few_rows`); ``False`` never
     makes one. ``pack_budget``: the share of the linear weights' bytes those copies may hold, the
     largest layers first (:func:`specdec.few_rows.set_pack_budget`; ``1.0`` packs every layer).
+    ``capture``: how each step after the prefill runs (:mod:`specdec.capture`: ``"auto"``,
+    ``"eager"``, ``"graphs"``, ``"compile"``); :attr:`capture_mode` is what it resolves to on the
+    target's device (``"auto"`` with ``compile=True`` is that dynamic compile, uncaptured).
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer=None, fast: bool = True, compile: bool | str = False,
-                 pack: bool = True, pack_budget: float = PACK_BUDGET):
+                 pack: bool = True, pack_budget: float = PACK_BUDGET, capture: str = "auto"):
         if not isinstance(pack, bool):
             raise TypeError(f"pack must be a bool, got {type(pack).__name__}")
+        capture_modes.resolve(capture, "cpu")  # raises on an unknown mode, before any work
+        if compile and capture in ("graphs", "compile"):
+            raise ValueError(f"compile=True (the dynamic-shape decoder) and capture={capture!r} are two ways of"
+                             " compiling the step: choose one")
+        self.capture = "eager" if compile else capture
+        self._steps: CapturedSteps | None = None  # the captured step, made on first use for the device's mode
+        self._arena = BufferArena()  # the K/V buffers a recording points at, lent to each session in turn
+        self._static_store: KVStore | None = None  # the store of the step being recorded or replayed
+        self._static_names: tuple[str, ...] = ()  # its masks' layer types ("" for one mask)
         if pack:
             set_pack_budget(model, pack_budget)  # raises on a budget outside [0, 1]
         self.model = model.eval()
@@ -297,10 +316,11 @@ class Target:
         return KVStore(batch, self.device, self.dtype, self.num_layers if num_layers is None else num_layers,
                        self.layer_types, self.sliding_window)
 
-    def kv_cache(self, store: KVStore) -> StoreCache:
+    def kv_cache(self, store: KVStore, slots: Tensor | None = None) -> StoreCache:
         """``store`` as the cache object the target's layer modules take (a transformers ``Cache``
-        whose layer ``i`` writes into the store's layer ``i``)."""
-        return StoreCache(store, compiled=self._compiled)
+        whose layer ``i`` writes into the store's layer ``i``); ``slots`` [m] for a captured step:
+        the block written at those slots, attention over the whole buffers (a ``static`` plan's)."""
+        return StoreCache(store, compiled=self._compiled, slots=slots)
 
     def init_weights(self, module: nn.Module) -> None:
         """Initialise every submodule of ``module`` the way the target's model initialises its own."""
@@ -393,10 +413,19 @@ class Target:
     # --- running --------------------------------------------------------------------------
     def new_session(self, batch: int, reserve: int = 0) -> TargetSession:
         """A session for ``batch`` rows; ``reserve`` slots of KV are allocated up front (the longest
-        row the run can reach), so the store never grows past it block by block."""
+        row the run can reach), so the store never grows past it block by block. Under capture the
+        K/V buffers come from the target's arena (:class:`~specdec.capture.BufferArena`), so the next session of the
+        same shapes replays the recordings of the last."""
         store = self.new_store(batch)
+        if self.capture_mode != "eager":
+            self._arena.attach(store)
         store.reserve(reserve)
         return TargetSession(store)
+
+    @property
+    def capture_mode(self) -> str:
+        """What ``capture`` resolves to on this target's device: ``"eager"``, ``"graphs"`` or ``"compile"``."""
+        return capture_modes.resolve(self.capture, self.device)
 
     @torch.inference_mode()
     def forward(self, session: TargetSession, tokens: Tensor, parents: Tensor | None = None,
@@ -408,6 +437,8 @@ class Target:
         which saves the LM head on a long prefill.
         """
         B, m = tokens.shape
+        if logits_rows is None and session.cache.num_slots and self.capture_mode != "eager":
+            return self._captured_forward(session, tokens, parents)
         if parents is None and self.fast:
             plan = session.cache.plan(length=m, implicit_causal=True)
         else:
@@ -435,6 +466,48 @@ class Target:
         final = self._captured.get("final")
         self._captured = {}
         return TargetOutput(logits, hidden, final)
+
+    def _captured_forward(self, session: TargetSession, tokens: Tensor, parents: Tensor | None) -> TargetOutput:
+        """:meth:`forward` of a step after the prefill, captured. Outside the recording (eager,
+        every step): the plan (mask over the whole capacity, positions, slot indices) and the key.
+        Inside: embedding, every decoder layer with its K/V write, the final norm, the LM head and
+        the hooked features; nothing in it reads the host or branches on a value."""
+        store = session.cache
+        m = tokens.shape[1]
+        dev = self.device
+        plan = store.plan(length=m, static=True) if parents is None else store.plan(parents.to(dev), static=True)
+        assert plan.slots is not None
+        masks = plan.attention_mask if isinstance(plan.attention_mask, dict) else {"": plan.attention_mask}
+        names = tuple(sorted(masks))
+        req = self.requirements
+        if self._steps is None or self._steps.mode != self.capture_mode or self._steps.device != dev:
+            self._steps = CapturedSteps(self._static_step, self.capture_mode, dev)
+        key = (m, names, req.layer_inputs, req.final_hidden, store.buffer_key())
+        self._static_store, self._static_names = store, names
+        try:
+            logits, hidden, final = self._steps(key, tokens.to(dev), plan.position_ids, plan.slots,
+                                                *(masks[n] for n in names))
+        finally:
+            self._static_store = None  # the session's store must die with it: the arena lends its buffers on
+        return TargetOutput(logits, dict(zip(req.layer_inputs, hidden)), final)
+
+    def _static_step(self, tokens: Tensor, positions: Tensor, slots: Tensor, *masks: Tensor
+                     ) -> tuple[Tensor, tuple[Tensor, ...], Tensor | None]:
+        """The captured region: one forward of fixed shapes over :attr:`_static_store` (set by the
+        caller; its buffers are part of the recording's key)."""
+        names = self._static_names
+        mask = masks[0] if names == ("",) else dict(zip(names, masks))
+        self._captured = {}
+        out = self.decoder(input_ids=tokens, attention_mask=mask, position_ids=positions,
+                           **cache_kwargs(self.kv_cache(self._static_store, slots)), use_cache=True)
+        logits = self.lm_head(out.last_hidden_state)
+        cap = getattr(self.text_config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        hidden = tuple(self._captured[i] for i in self.requirements.layer_inputs)
+        final = self._captured.get("final")
+        self._captured = {}
+        return logits.float(), hidden, final
 
     def _row_plan(self) -> Plan:
         """The few-row plan of this target's linear layers (empty off the eager fast path or off the

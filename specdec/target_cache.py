@@ -52,9 +52,33 @@ class _EagerWritesLayer(_StoreLayer):
         return self.store.write(self.index, key_states, value_states)
 
 
-class StoreCache(Cache):
-    """A transformers ``Cache`` over every layer of ``store`` (``compiled``: for a compiled decoder)."""
+class _StaticLayer(_StoreLayer):
+    """A store layer for a captured step: the block's K/V go to the slots a tensor holds and
+    attention reads the whole buffers (:meth:`~specdec.kv.KVStore.write_static`), so nothing about
+    the step depends on how many slots are in use."""
 
-    def __init__(self, store: KVStore, compiled: bool = False):
-        layer = _EagerWritesLayer if compiled else _StoreLayer
-        super().__init__(layers=[layer(store, i) for i in range(store.num_layers)])
+    def __init__(self, store: KVStore, index: int, slots: Tensor):
+        super().__init__(store, index)
+        self.slots = slots
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.store.write_static(self.index, key_states, value_states, self.slots)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.capacity - self.slots.shape[0]  # static: the model is always given its positions
+
+
+class StoreCache(Cache):
+    """A transformers ``Cache`` over every layer of ``store`` (``compiled``: for a compiled decoder;
+    ``slots`` [m]: the static form a captured step records, writing the block at those slots)."""
+
+    def __init__(self, store: KVStore, compiled: bool = False, slots: Tensor | None = None):
+        if slots is not None:
+            layers: list[_StoreLayer] = [_StaticLayer(store, i, slots) for i in range(store.num_layers)]
+        else:
+            layer = _EagerWritesLayer if compiled else _StoreLayer
+            layers = [layer(store, i) for i in range(store.num_layers)]
+        super().__init__(layers=layers)

@@ -81,11 +81,16 @@ def test_dry_run_writes_every_file(tmp_path):
     assert all(r["exact"] and r["speedup"] > 0 and r["unsynchronised_reads"] == 0 for r in kr["rows"])
     fw = res["forward"]["rows"]
     assert {r["batch"] for r in fw} == {1, 4} and all(r["t_over_t1"] == 1.0 for r in fw if r["m"] == 1)
+    assert all(r["ms_captured"] > 0 and r["t_over_t1_captured"] > 0 for r in fw)  # eager and captured side by side
+    assert res["forward"]["captured"]["mode"] == "graphs" and res["forward"]["captured"]["recordings"] >= 2
     planted = res["planted"]
     assert planted["label"] == "systems benchmark: acceptance is planted, not learned"
     assert [(r["concurrency"], r["scheduler"]) for r in planted["rows"]] == [(c, s) for c in (1, 4) for s in (False, True)]
     assert {c: v["source"] for c, v in planted["scheduler_costs"].items()} == {
         "1": "forward section, batch 1", "4": "forward section, batch 4"}  # the scheduler priced by measured forwards
+    captured = planted["captured_rows"]  # the planted section on the captured path too
+    assert [r["concurrency"] for r in captured] == [1, 4]
+    assert all(r["capture"] == "graphs" and r["identical"] and r["identical_to_eager"] for r in captured)
     mtp = res["mtp"]["rows"]
     assert [(r["dtype"], r["k"]) for r in mtp] == [(d, k) for d in ("float32", "bfloat16") for k in (1, 2, 3, 4)]
     for r in planted["rows"] + mtp:
@@ -103,6 +108,7 @@ def test_dry_run_writes_every_file(tmp_path):
     assert all(p["what"].startswith("the training loop alone") for p in train["parts"])  # as the trainer records each part
     md = (tmp_path / "results.md").read_text()
     assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md and "trained positions/s" in md
+    assert "| captured ms |" in md and "Captured steps" in md
     if res["figures"]:  # matplotlib present
         assert all((tmp_path / f).stat().st_size > 0 for f in res["figures"])
 

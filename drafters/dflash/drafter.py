@@ -16,6 +16,12 @@ The context K/V cache (the one ragged :class:`~specdec.kv.KVStore`, a layer per 
 propose with the features of the tokens committed since (the anchor and accepted drafts); rejected
 drafts never enter it, so nothing has to be evicted.
 
+**Captured block** (the target's ``capture`` switch, :mod:`specdec.capture`): off eager, the
+block's forward runs in a static form, recorded once per (block length, context buffers) and
+replayed: it attends over the context buffers' whole capacity under a mask (slots past the
+committed ones masked out), so its shapes never depend on the context's length. Extending the
+context (a variable number of new slots a step) stays outside the recording.
+
 ``mask_token_id``: the token whose embedding fills the masked slots. Qwen3 drafters use the added
 ``<|MASK|>``; SmolLM2 has none, so its drafters use ``<empty_output>`` (id 16), a Jupyter-notebook
 marker the chat model never emits (recorded in the checkpoint config).
@@ -33,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from specdec.capture import BufferArena, CapturedSteps
 from specdec.draft_vocab import draft_vocabulary
 from specdec.drafter import Drafter
 from specdec.drafters.dflash.model import BlockDraftConfig, BlockDraftModel, build_target_layer_ids
@@ -90,6 +97,9 @@ class BlockDrafter(Drafter):
         self.head_dtype = as_float_dtype("head_dtype", head_dtype)
         self.token_map, self.draft_vocab = token_map, draft_vocab
         self.hidden_ids = layer_output_ids(self.cfg.target_layer_ids)
+        self._steps: CapturedSteps | None = None  # the captured block forward, made on first use
+        self._arena = BufferArena()  # the context buffers a recording points at, across sessions
+        self._static_store: KVStore | None = None  # the context of the block being recorded or replayed
 
     # --- binding ------------------------------------------------------------------------------
     def requirements(self) -> Requirements:
@@ -134,8 +144,12 @@ class BlockDrafter(Drafter):
         return BlockState(prefill.next_tokens.clone(), pending, self.new_context(len(pending)))
 
     def new_context(self, batch: int) -> KVStore:
-        """An empty context cache: the one ragged KV store, a layer per draft layer."""
-        return KVStore(batch, self.target.device, self.target.dtype, num_layers=len(self.model.layers))
+        """An empty context cache: the one ragged KV store, a layer per draft layer (its buffers from
+        the arena when the block is captured)."""
+        store = KVStore(batch, self.target.device, self.target.dtype, num_layers=len(self.model.layers))
+        if self.target.capture_mode != "eager":
+            self._arena.attach(store)
+        return store
 
     def observe(self, state: BlockState, committed: Committed) -> None:
         feats = self._features(committed)
@@ -183,6 +197,9 @@ class BlockDrafter(Drafter):
         tokens = torch.full((B, length), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         tokens[:, 0] = state.anchors
         positions = state.cache.lengths.unsqueeze(1) + torch.arange(length, device=dev)
+        mode = self.target.capture_mode
+        if mode != "eager" and state.cache.num_slots:
+            return self._captured_block(state.cache, tokens, positions, mode)
         block = self.target.embed_tokens(tokens)
         mask = torch.cat([state.cache.valid, torch.ones(B, length, dtype=torch.bool, device=dev)], 1)
         mask = mask[:, None, :].expand(B, length, mask.shape[1])
@@ -190,6 +207,27 @@ class BlockDrafter(Drafter):
             else [(block.new_zeros(B, self.cfg.num_key_value_heads, 0, self.cfg.head_dim),) * 2
                   for _ in self.model.layers]
         return self.model(block, positions, kv, mask)
+
+    def _captured_block(self, store: KVStore, tokens: Tensor, positions: Tensor, mode: str) -> Tensor:
+        """:meth:`block_hidden`'s forward, captured (:mod:`specdec.capture`): outside the recording the
+        mask over the whole capacity and the key; inside, the embedding and every draft layer."""
+        B, length = tokens.shape
+        mask = torch.cat([store.static_valid(), torch.ones(B, length, dtype=torch.bool, device=tokens.device)], 1)
+        mask = mask[:, None, :].expand(B, length, mask.shape[1])
+        if self._steps is None or self._steps.mode != mode or self._steps.device != tokens.device:
+            self._steps = CapturedSteps(self._static_block, mode, tokens.device)
+        self._static_store = store
+        try:
+            return self._steps((length, store.buffer_key()), tokens, positions, mask)
+        finally:
+            self._static_store = None  # the session's context must die with it
+
+    def _static_block(self, tokens: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The captured region: the block over :attr:`_static_store`'s whole buffers."""
+        store = self._static_store
+        assert store is not None
+        kv = [store.buffers(i) for i in range(len(self.model.layers))]
+        return self.model(self.target.embed_tokens(tokens), positions, kv, mask)
 
     @classmethod
     def tiny(cls, target: Target, **overrides: Any) -> BlockDrafter:

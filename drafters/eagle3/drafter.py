@@ -15,6 +15,12 @@ nodes roll back for free) and the accepted path is appended to the cache again, 
 target's features, as training saw it; rows that accept fewer tokens leave holes, compacted once
 they pass the store's compaction threshold.
 
+**Captured draft blocks** (the target's ``capture`` switch, :mod:`specdec.capture`): off eager,
+each block of draft nodes runs in a static form (attention over the cache buffers' whole capacity
+under a mask, the window as a mask too), recorded once per (block shape, tree so far, cache
+buffers) and replayed; the tree bookkeeping (parents' outputs, ancestor masks) and the context
+pass of :meth:`Eagle3Drafter.observe` stay outside the recording.
+
 **Proposals.**
 - ``tree="chain"``: ``k`` draws; exact warped q (sampling) or argmax with q None.
 - ``tree="static"``: ``static_tree`` paths (vLLM ``speculative_token_tree``), cut at depth ``k``.
@@ -39,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specdec.capture import BufferArena, CapturedSteps
 from specdec.drafter import Drafter
 from specdec.drafters.eagle3.model import Eagle3Model, Eagle3Spec, attend, draft_layer_config
 from specdec.drafters.eagle3.tree import (DEFAULT_STATIC_TREE, MAX_TREE_DEPTH, StaticTree, chain_tree, parse_tree,
@@ -107,6 +114,9 @@ class Eagle3Drafter(Drafter):
         self.model = model.eval()
         self.config = config
         self.static = parse_tree(config.static_tree) if config.tree == "static" else None
+        self._steps: CapturedSteps | None = None  # the captured draft block, made on first use
+        self._arena = BufferArena()  # the draft cache's buffers a recording points at, across sessions
+        self._static_cache: KVStore | None = None  # the draft cache of the block being recorded or replayed
 
     # --- construction -------------------------------------------------------------------------
     @classmethod
@@ -184,6 +194,8 @@ class Eagle3Drafter(Drafter):
     def start(self, prefill: Committed, rows: RowSampling) -> Eagle3State:
         B = prefill.tokens.shape[0]
         cache = KVStore(B, self.target.device, self.model.fc.weight.dtype)
+        if self.target.capture_mode != "eager":
+            self._arena.attach(cache)
         state = Eagle3State(cache, torch.zeros(0))
         self._ingest(state, prefill)
         return state
@@ -272,8 +284,13 @@ class Eagle3Drafter(Drafter):
         else:
             g = state.root.unsqueeze(1).expand(B, w, -1)
             anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
-        g = model.carry(g)  # the parent's output as the next step reads it
         pos = (cache.lengths.unsqueeze(1) + depth - 1).expand(B, w)
+        mode = self.target.capture_mode
+        if mode != "eager":
+            y, k, v = self._captured_block(state.cache, tree, tokens, g, pos, anc, depth, mode)
+            self._grow(tree, anc, y, k, v)
+            return y
+        g = model.carry(g)  # the parent's output as the next step reads it
         cos, sin = model.rope(g, pos)
         q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
         ctx_k, ctx_v = cache.layer(0)
@@ -285,6 +302,14 @@ class Eagle3Drafter(Drafter):
         eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
         allowed = torch.cat([ctx.unsqueeze(1).expand(B, w, ctx.shape[1]), anc, eye], dim=-1)
         y = model.layer.finish(attend(q, keys, values, allowed), res)
+        self._grow(tree, anc, y, k, v)
+        return y
+
+    @staticmethod
+    def _grow(tree: _Tree, anc: Tensor, y: Tensor, k: Tensor, v: Tensor) -> None:
+        """Append a forwarded block (its ancestors among earlier nodes ``anc`` [B, w, N]) to ``tree``."""
+        (B, w), N, dev = y.shape[:2], tree.n, y.device
+        eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
         new_rows = torch.cat([anc, eye], dim=-1)  # [B, w, N + w]
         old = tree.anc if N else torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
         old = torch.cat([old, torch.zeros(B, N, w, dtype=torch.bool, device=dev)], dim=-1)
@@ -292,7 +317,41 @@ class Eagle3Drafter(Drafter):
         tree.h.append(y)
         tree.k.append(k)
         tree.v.append(v)
-        return y
+
+    def _captured_block(self, cache: KVStore, tree: _Tree, tokens: Tensor, g: Tensor, pos: Tensor, anc: Tensor,
+                        depth: int, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+        """A block of draft nodes, captured (:mod:`specdec.capture`): the mask over the cache's whole
+        capacity (and the window) outside the recording; the layer inside. Returns y, k, v."""
+        (B, w), dev = tokens.shape, tokens.device
+        ctx = cache.static_valid()
+        if self.config.window:  # the window as a mask: no slot range read on the host
+            ctx = ctx & (cache.static_slot_pos() > pos[:, -1:] - (depth - 1) - self.config.window)
+        eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
+        allowed = torch.cat([ctx.unsqueeze(1).expand(B, w, ctx.shape[1]), anc, eye], dim=-1)
+        if self._steps is None or self._steps.mode != mode or self._steps.device != dev:
+            self._steps = CapturedSteps(self._static_block, mode, dev)
+        key = (B, w, tuple(x.shape[2] for x in tree.k), cache.buffer_key())
+        self.model.layer._qkv_weight()  # the fused q/k/v weight, current before the recording reads it
+        self._static_cache = cache
+        try:
+            return self._steps(key, tokens, g, pos, allowed, *tree.k, *tree.v)
+        finally:
+            self._static_cache = None  # the session's cache must die with it
+
+    def _static_block(self, tokens: Tensor, g: Tensor, pos: Tensor, allowed: Tensor, *tree_kv: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+        """The captured region: a block of draft nodes over :attr:`_static_cache`'s whole buffers and
+        the tree's earlier nodes (``tree_kv``: their keys, then their values)."""
+        model, cache = self.model, self._static_cache
+        assert cache is not None
+        g = model.carry(g)
+        cos, sin = model.rope(g, pos)
+        q, k, v, res = model.layer.qkv(self._embed(tokens), g, cos, sin)
+        ctx_k, ctx_v = cache.buffers(0)
+        half = len(tree_kv) // 2
+        keys = torch.cat([ctx_k, *tree_kv[:half], k], dim=2)
+        values = torch.cat([ctx_v, *tree_kv[half:], v], dim=2)
+        return model.layer.finish(attend(q, keys, values, allowed), res), k, v
 
     def _static(self, state: Eagle3State, tree: StaticTree, rows: RowSampling, greedy: bool) -> DraftProposal:
         """A chain or static tree: children drawn per parent in rank order (see the module docstring)."""

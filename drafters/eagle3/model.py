@@ -142,6 +142,8 @@ class Eagle3Layer(nn.Module):
     def _qkv_weight(self) -> Tensor:
         """``cat[W_q, W_k, W_v]``, rebuilt only when a weight changed (training) or moved: decoding
         reads it every step, and re-concatenating would cost more than the fusion saves."""
+        if torch.compiler.is_compiling() and getattr(self, "_qkv", None) is not None:
+            return self._qkv  # a traced draft step reads the copy its caller refreshed before it
         a = self.self_attn
         ws = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
         if torch.is_grad_enabled() and any(w.requires_grad for w in ws):

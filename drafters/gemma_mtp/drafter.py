@@ -18,6 +18,10 @@ anchor and ``h`` change, so any ``k`` works. The sparse head scores the tokens o
 would make a row's q depend on its batch); q is the softmax over the full vocabulary of those
 logits, warped like the target's, and sampled from exactly.
 
+**Captured step** (the target's ``capture`` switch, :mod:`specdec.capture`): off eager, each assistant
+pass is recorded once per (batch, target cache buffers) and replayed, attending over the target
+cache's whole capacity under a mask (the masks are built outside the recording).
+
 Sources: transformers ``models/gemma4_assistant`` and ``SinglePositionMultiTokenCandidateGenerator``;
 vLLM ``gemma4_mtp.py`` / ``spec_decode/gemma4.py`` (KV-sharing map, constant positions).
 """
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, Gemma4AssistantConfig, Gemma4TextConfig, PreTrainedModel
 
+from specdec.capture import CapturedSteps
 from specdec.drafter import Drafter
 from specdec.kv import KVStore
 from specdec.sampling import RowSampling
@@ -76,6 +81,8 @@ class GemmaMTPDrafter(Drafter):
         self.assistant = _fp32_rotary(assistant.eval())
         self.greedy_draft = greedy_draft
         self.text_config = assistant.config.get_text_config()
+        self._steps: CapturedSteps | None = None  # the captured assistant pass, made on first use
+        self._static_cache: KVStore | None = None  # the target cache of the pass being recorded or replayed
 
     def requirements(self) -> Requirements:
         return Requirements(final_hidden=True, target_cache=True)
@@ -105,18 +112,20 @@ class GemmaMTPDrafter(Drafter):
         idx = (committed.num_tokens - 1).clamp(min=0)
         return committed.final_hidden[torch.arange(idx.numel(), device=idx.device), idx]
 
-    def _masks(self, cache: KVStore) -> dict[str, Tensor]:
-        """One query at the anchor's position; keys are the target's committed slots.
+    def _masks(self, cache: KVStore, static: bool = False) -> dict[str, Tensor]:
+        """One query at the anchor's position; keys are the target's committed slots (``static``:
+        every slot of the buffers' capacity, those past the used ones masked out).
 
         Sliding layers see the last ``sliding_window + 1`` committed tokens: that is the window
         transformers' assistant builds (a bidirectional window flipped onto the past), which the
         released assistants are served with there; the target's own sliding layers see one fewer.
         """
         pos = cache.lengths.unsqueeze(1)  # [B, 1]
-        allowed = {"full_attention": cache.valid}
+        valid, slot_pos = (cache.static_valid(), cache.static_slot_pos()) if static else (cache.valid, cache.slot_pos)
+        allowed = {"full_attention": valid}
         window = getattr(self.text_config, "sliding_window", None)
         if window:
-            allowed["sliding_attention"] = cache.valid & (pos - cache.slot_pos <= window + 1)
+            allowed["sliding_attention"] = valid & (pos - slot_pos <= window + 1)
         dtype = self.assistant.dtype
         neg = torch.finfo(dtype).min
         return {t: torch.where(a, 0.0, neg).to(dtype)[:, None, None, :] for t, a in allowed.items()}
@@ -124,6 +133,9 @@ class GemmaMTPDrafter(Drafter):
     @torch.inference_mode()
     def step(self, state: GemmaMTPState, tokens: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """One assistant pass. tokens [B], hidden [B, D_target] → (logits [B, V], next hidden)."""
+        mode = self.target.capture_mode
+        if mode != "eager":
+            return self._captured_step(state.cache, tokens, hidden, mode)
         a, cache = self.assistant, state.cache
         kv = {t: cache.layer(i) for t, i in self.sources.items()}
         x = torch.cat([self.target.embed(tokens), hidden], dim=-1).to(a.dtype)
@@ -131,6 +143,37 @@ class GemmaMTPDrafter(Drafter):
         masks = self._masks(cache)
         out = a.model(inputs_embeds=x, attention_mask={t: masks[t] for t in set(self.text_config.layer_types)},
                       position_ids=cache.lengths.unsqueeze(1), shared_kv_states=kv, use_cache=False)
+        y = out.last_hidden_state[:, 0]
+        if a.config.use_ordered_embeddings:
+            me = a.masked_embedding
+            logits = sparse_logits(y, me.centroids, me.token_ordering, a.lm_head.weight, me.centroid_intermediate_top_k)
+        else:
+            logits = a.lm_head(y)
+        return logits.float(), a.post_projection(y).to(hidden.dtype)
+
+    def _captured_step(self, cache: KVStore, tokens: Tensor, hidden: Tensor, mode: str) -> tuple[Tensor, Tensor]:
+        """:meth:`step`, captured (:mod:`specdec.capture`): the masks over the whole capacity and the key
+        outside the recording; the projections, the assistant's layers and its head inside."""
+        masks = self._masks(cache, static=True)
+        names = tuple(sorted(set(self.text_config.layer_types)))
+        if self._steps is None or self._steps.mode != mode or self._steps.device != tokens.device:
+            self._steps = CapturedSteps(self._static_step, mode, tokens.device)
+        self._static_cache = cache
+        try:
+            return self._steps((tokens.shape[0], hidden.dtype, cache.buffer_key()), tokens, hidden,
+                               cache.lengths.unsqueeze(1), *(masks[t] for t in names))
+        finally:
+            self._static_cache = None  # the target's session must die with it
+
+    def _static_step(self, tokens: Tensor, hidden: Tensor, positions: Tensor, *masks: Tensor) -> tuple[Tensor, Tensor]:
+        """The captured region: one assistant pass over :attr:`_static_cache`'s whole buffers."""
+        a, cache = self.assistant, self._static_cache
+        assert cache is not None
+        kv = {t: cache.buffers(i) for t, i in self.sources.items()}
+        x = a.pre_projection(torch.cat([self.target.embed(tokens), hidden], dim=-1).to(a.dtype)).unsqueeze(1)
+        names = tuple(sorted(set(self.text_config.layer_types)))
+        out = a.model(inputs_embeds=x, attention_mask=dict(zip(names, masks)), position_ids=positions,
+                      shared_kv_states=kv, use_cache=False)
         y = out.last_hidden_state[:, 0]
         if a.config.use_ordered_embeddings:
             me = a.masked_embedding

@@ -33,6 +33,11 @@ branches as one tree block over its committed slots.
 read, through the ``weight_map`` of ``model.safetensors.index.json`` when sharded, so a 671B
 checkpoint is never loaded whole. Layout conversion is in :mod:`specdec.drafters.mtp.checkpoint`.
 
+**Captured streams** (the target's ``capture`` switch, :mod:`specdec.capture`): off eager, each
+stream's block runs in a static form (writes at slot indices, attention over its cache's whole
+capacity under a mask), recorded once per (stream, module, block width, cache buffers) and
+replayed; building the block from the host's token lists stays outside the recording.
+
 Shape symbols: ``B`` rows, ``W`` block width, ``D`` hidden size, ``V`` vocabulary, ``K`` branches.
 """
 
@@ -46,11 +51,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specdec.capture import BufferArena, CapturedSteps
 from specdec.draft_vocab import draft_vocabulary
 from specdec.drafter import Drafter
 from specdec.drafters.mtp.checkpoint import load_mtp_modules
 from specdec.drafters.mtp.modules import MTPModule, build_mtp_modules
-from specdec.kv import KVStore
+from specdec.kv import BlockPlan, KVStore
 from specdec.sampling import RowSampling, argmax
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
@@ -113,6 +119,9 @@ class MTPDrafter(Drafter):
             raise ValueError("MTP needs at least one module")
         self.modules = modules.eval()
         self.config = config
+        self._steps: CapturedSteps | None = None  # the captured stream block, made on first use
+        self._arena = BufferArena()  # the streams' cache buffers a recording points at, across sessions
+        self._static: tuple[KVStore, int] | None = None  # the stream cache and module of the block being replayed
         self.head_dtype = as_float_dtype("head_dtype", config.head_dtype)
         self.depth = len(modules)
 
@@ -189,8 +198,7 @@ class MTPDrafter(Drafter):
     def propose(self, state: MTPState, k: int, rows: RowSampling) -> DraftProposal:
         B, K = len(state.history), self.config.tree_top_k
         if not state.streams:  # one stream per draft step, each starting from slot 0
-            state.streams = [_Stream(self.target.new_store(B, self.depth), [h[:0] for h in state.main_hidden])
-                             for _ in range(k)]
+            state.streams = [_Stream(self._stream_store(B, j), [h[:0] for h in state.main_hidden]) for j in range(k)]
         elif len(state.streams) != k:
             raise ValueError(f"k changed from {len(state.streams)} to {k} within one generation")
         greedy = self.config.greedy_draft or K > 1
@@ -225,6 +233,38 @@ class MTPDrafter(Drafter):
         return self._proposal(tokens, qs, k, K, B)
 
     # --- helpers ------------------------------------------------------------------------------
+    def _stream_store(self, batch: int, j: int) -> KVStore:
+        """Stream ``j``'s cache (its buffers from the arena when the streams are captured)."""
+        store = self.target.new_store(batch, self.depth)
+        if self.target.capture_mode != "eager":
+            self._arena.attach(store, tag=j)
+        return store
+
+    def _captured_stream(self, store: KVStore, index: int, plan: BlockPlan, embeds: Tensor, hid: Tensor, pos: Tensor,
+                         mode: str) -> tuple[Tensor, Tensor]:
+        """Module ``index`` over a stream block, captured (:mod:`specdec.capture`): the static ``plan``
+        (over the cache's whole capacity), the rotary angles and the key outside the recording; the
+        module inside."""
+        mask = plan.attention_mask
+        if isinstance(mask, dict):
+            mask = mask[self.layer_type]
+        cos, sin = self.target.rotary(embeds, pos, self.layer_type)
+        if self._steps is None or self._steps.mode != mode or self._steps.device != embeds.device:
+            self._steps = CapturedSteps(self._static_stream, mode, embeds.device)
+        self._static = (store, index)
+        try:
+            return self._steps((index, embeds.shape[:2], store.buffer_key()), embeds, hid, cos, sin, pos, mask,
+                               plan.slots)
+        finally:
+            self._static = None  # the session's caches must die with it
+
+    def _static_stream(self, embeds: Tensor, hid: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, mask: Tensor,
+                       slots: Tensor) -> tuple[Tensor, Tensor]:
+        """The captured region: one MTP module over a stream cache's whole buffers."""
+        assert self._static is not None
+        store, index = self._static
+        return self.modules[index](embeds, hid, (cos, sin), pos, mask, self.target.kv_cache(store, slots))
+
     def _run_stream(self, state: MTPState, j: int, tent, drafts):
         """One forward of stream ``j``: its new committed slots (kept in its cache) plus, per branch,
         its tentative slots (which read drafts; left as holes). Returns the tentative outputs
@@ -233,15 +273,21 @@ class MTPDrafter(Drafter):
         module = self.modules[module_for_step(j, self.depth, cfg.policy)]
         dev, D = self.target.device, self.target.hidden_size
         plans, tok, hid, parents, keep = self._block(state, j, tent, drafts)
-        plan = s.cache.plan(parents.to(dev))
-        pos = plan.position_ids + j + 1  # stream j's slot i sits at position i + j + 1
+        index = module_for_step(j, self.depth, cfg.policy)
         embeds = self.target.embed(tok.to(dev))
         hid = hid.to(device=dev, dtype=embeds.dtype)
-        mask = plan.attention_mask
-        if isinstance(mask, dict):  # sliding-window families: the block's own layer type
-            mask = mask[self.layer_type]
-        rotary = self.target.rotary(embeds, pos, self.layer_type)
-        residual, normed = module(embeds, hid, rotary, pos, mask, self.target.kv_cache(s.cache))
+        mode = self.target.capture_mode
+        if mode != "eager" and s.cache.has_buffers(index):  # the stream's first block allocates them, eager
+            plan = s.cache.plan(parents.to(dev), static=True)
+            residual, normed = self._captured_stream(s.cache, index, plan, embeds, hid, plan.position_ids + j + 1, mode)
+        else:
+            plan = s.cache.plan(parents.to(dev))
+            pos = plan.position_ids + j + 1  # stream j's slot i sits at position i + j + 1
+            mask = plan.attention_mask
+            if isinstance(mask, dict):  # sliding-window families: the block's own layer type
+                mask = mask[self.layer_type]
+            rotary = self.target.rotary(embeds, pos, self.layer_type)
+            residual, normed = module(embeds, hid, rotary, pos, mask, self.target.kv_cache(s.cache))
         s.cache.commit(keep.to(dev))
         chain = normed if cfg.chain_hidden == "normed" else residual
         out, last, committed = [], [], []

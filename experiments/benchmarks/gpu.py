@@ -30,7 +30,8 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    vocab 128256) in bf16 built on the GPU (nothing downloaded), wrapped in ``specdec.Target``:
    one forward over m new tokens after a 512-token context, ``t(m)/t(1)``, at batch 1, 4, 16, 64;
    the block is dropped after each forward and the store marked dense again, so every timed
-   forward runs without a mask, as plain decoding does.
+   forward runs without a mask, as plain decoding does. The same table again with the step
+   captured (``capture="graphs"``: CUDA graphs, docs/capture.md), side by side.
 3. **planted**: end-to-end greedy decoding on that target at concurrency 1, 4, 16, 64 with
    :class:`PlantedDrafter` (its own greedy continuation, each position accepted in a share p of
    the times the walk reaches it), k drafts every step and again under the batch-aware prefix
@@ -38,7 +39,8 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    its costs the forward section's verify times at that batch and the planted run's draft time):
    measured speedup vs the same loop without a drafter, and the speedup predicted from acceptance
    and measured costs (``specdec.eval.runner.predicted_speedup``: mean accepted length × the
-   autoregressive step's phases / the speculative step's phases), for both. The target's greedy
+   autoregressive step's phases / the speculative step's phases), for both; then the autoregressive
+   and planted runs again on the captured target (``captured_rows``). The target's greedy
    choices are well separated (:func:`specdec.testing.planted.separate_choices`), so its block
    forwards choose what its one-token forwards choose, in bf16 too: every row is its own greedy
    output and accepts the planted p. Every timed run follows the same run untimed. A systems
@@ -139,7 +141,7 @@ from specdec.kernels import (choice, gather_slots, markov_sample, norm_concat_li
                              rejection_sample, triton_available, use_backend)
 from specdec.kernels.dispatch import interpreting, platform  # noqa: E402
 from specdec.testing.triton_memory import weak_memory  # noqa: E402
-from specdec.timing import measure, now  # noqa: E402
+from specdec.timing import measure, now, sync  # noqa: E402
 
 PLANTED_LABEL = "systems benchmark: acceptance is planted, not learned"
 CHECKPOINT = ROOT / "experiments" / "checkpoints" / "tiny-deepseek-v3-mtp"
@@ -390,18 +392,53 @@ def forward_times(target, device: str, B: int, context: int, ms: tuple[int, ...]
     return times
 
 
+def both_paths(target):
+    """The target's model as an eager target and as a captured one (``capture="graphs"``: CUDA graphs
+    on a GPU; on the dry run's CPU the same static step, unrecorded)."""
+    from specdec.target import Target
+
+    return Target(target.model, target.tokenizer, capture="eager"), Target(target.model, target.tokenizer, capture="graphs")
+
+
+def captured_step_syncs(target, device: str) -> str:
+    """One captured verify step (after its recording) under ``torch.cuda.set_sync_debug_mode("error")``:
+    ``"none"`` when nothing in the step, captured or not, waits for the device; else the error."""
+    if device != "cuda":
+        return "not checked (cpu)"
+    session = target.new_session(1, reserve=64)
+    target.prefill(session, [[1, 2, 3, 4]])
+    block = torch.tensor([[5, 6, 7]], device=device)
+    target.forward(session, block)  # records
+    target.commit(session, None)
+    sync(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        target.forward(session, block)
+        return "none"
+    except RuntimeError as e:
+        return f"{e}".splitlines()[0][:200]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def bench_forward(target, device: str, dry: bool, budget: Budget) -> dict[str, Any]:
-    """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch."""
+    """t(m)/t(1): one forward over m new tokens after a ``context``-token prompt, per batch; eager
+    and captured (``ms_captured``, ``t_over_t1_captured``) side by side."""
     f = FORWARD["dry" if dry else "real"]
+    eager, captured = both_paths(target)
     rows = []
     for B in f["batches"]:
-        if not budget.allows(f"forward: B={B}", 2.0 if dry else 12.0):
+        if not budget.allows(f"forward: B={B}", 2.0 if dry else 24.0):
             continue
-        times = forward_times(target, device, B, f["context"], f["ms"], f["reps"])
-        rows += [{"batch": B, "m": m, "context": f["context"], "ms": t * 1e3, "t_over_t1": t / times[f["ms"][0]]}
+        times = forward_times(eager, device, B, f["context"], f["ms"], f["reps"])
+        cap = forward_times(captured, device, B, f["context"], f["ms"], f["reps"])
+        rows += [{"batch": B, "m": m, "context": f["context"], "ms": t * 1e3, "t_over_t1": t / times[f["ms"][0]],
+                  "ms_captured": cap[m] * 1e3, "t_over_t1_captured": cap[m] / cap[f["ms"][0]]}
                  for m, t in times.items()]
     return {"model": "tiny llama (dry run)" if dry else "Llama-3.1-8B shape, random bf16 weights",
-            "dtype": str(target.dtype).removeprefix("torch."), "rows": rows}
+            "dtype": str(target.dtype).removeprefix("torch."), "rows": rows,
+            "captured": {"mode": captured.capture_mode, "recordings": captured._steps.captures if captured._steps else 0,
+                         "host_syncs_in_a_step": captured_step_syncs(captured, device)}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,19 +527,21 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
                   forward_rows: list[dict]) -> dict[str, Any]:
     """Per concurrency: autoregressive decoding, the planted drafter, and the planted drafter under
     the batch-aware prefix scheduler (:class:`specdec.policy.PrefixPolicy`, its confidences
-    the planted p, its costs the measured verify and draft times). The drafter plants its
+    the planted p, its costs the measured verify and draft times); then, as ``captured_rows``, the
+    autoregressive and planted runs again with the target's steps captured. The drafter plants its
     acceptance evenly (``pattern="even"``: each position right in a share p of the times it is
     reached), so a short run's acceptance is p, not p plus sampling noise.
 
     Every timed run follows the same run untimed. What a run meets first at its concurrency's
     shapes (the prompt's prefill, blocks of k + 1 tokens over contexts of 128-200, rows retiring,
     masked blocks after ragged acceptance, the verifier at that batch: kernel compiles and
-    specialisations, library plan choices, allocations) is paid there, not by whichever timed run
-    comes first: without it the drafter's first run at each concurrency paid for the scheduled run
-    after it, which ran the same forwards 2-4x faster."""
+    specialisations, library plan choices, allocations, graph recordings) is paid there, not by
+    whichever timed run comes first: without it the drafter's first run at each concurrency paid
+    for the scheduled run after it, which ran the same forwards 2-4x faster."""
     from specdec.policy import PrefixPolicy
     from specdec.testing.planted import PlantedDrafter
 
+    target, captured = both_paths(target)  # the main rows eager, whatever the target's default
     f = PLANTED["dry" if dry else "real"]
     prompt_len, new_tokens = f["prompt"], f["new"]
 
@@ -512,8 +551,9 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
 
     g = torch.Generator().manual_seed(1)
     rows, costs_used = [], {}
-    planted = lambda conts: PlantedDrafter.create(target, p=p, continuations=conts, seed=0, pattern="even")  # noqa: E731
+    planted = lambda conts, t=target: PlantedDrafter.create(t, p=p, continuations=conts, seed=0, pattern="even")  # noqa: E731
     warm_verifier(target, k, f["concurrencies"])
+    captured_rows: list[dict[str, Any]] = []
     for c in f["concurrencies"]:
         if not budget.allows(f"planted: concurrency {c}", 3.0 if dry else 18.0):
             continue
@@ -530,7 +570,16 @@ def bench_planted(target, device: str, dry: bool, budget: Budget, p: float, k: i
             raise RuntimeError(f"two autoregressive runs at concurrency {c} disagree: the target is not deterministic")
         rows += [{"scheduler": False, **compare(ar, plain, k)}, {"scheduler": True, **compare(ar, scheduled, k)}]
         costs_used[c] = {"source": source, **asdict(costs)}
-    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used}
+        if budget.allows(f"planted, captured: concurrency {c}", 2.0 if dry else 6.0):
+            decode(captured, None, prompts, new_tokens, k)  # untimed first: the recordings happen there
+            ar_c = decode(captured, None, prompts, new_tokens, k)
+            decode(captured, planted(conts, captured), prompts, new_tokens, k)
+            spec_c = decode(captured, planted(conts, captured), prompts, new_tokens, k)
+            captured_rows.append({"capture": captured.capture_mode, **compare(ar_c, spec_c, k),
+                                  "identical_to_eager": [r.tokens for r in spec_c.requests] == [r.tokens for r in ar.requests],
+                                  "ar_speedup_over_eager": ar.metrics.wall_s / ar_c.metrics.wall_s})
+    return {"label": PLANTED_LABEL, "p": p, "prompt_tokens": prompt_len, "rows": rows, "scheduler_costs": costs_used,
+            "captured_rows": captured_rows}
 
 
 def native_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
@@ -706,8 +755,14 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
     if "forward" in results:
         fr = results["forward"]
         out += ["## One target forward over m new tokens", "", f"{fr['model']}, {fr['dtype']}.", "",
-                "| batch | context | m | ms | t(m)/t(1) |", "|---|---|---|---|---|"]
-        out += [f"| {r['batch']} | {r['context']} | {r['m']} | {r['ms']:.2f} | {r['t_over_t1']:.2f} |" for r in fr["rows"]]
+                "| batch | context | m | ms | t(m)/t(1) | captured ms | captured t(m)/t(1) |",
+                "|---|---|---|---|---|---|---|"]
+        out += [f"| {r['batch']} | {r['context']} | {r['m']} | {r['ms']:.2f} | {r['t_over_t1']:.2f} "
+                f"| {_f(r.get('ms_captured'))} | {_f(r.get('t_over_t1_captured'))} |" for r in fr["rows"]]
+        if "captured" in fr:
+            cf = fr["captured"]
+            out += ["", f"Captured: `capture=\"graphs\"` resolved to `{cf['mode']}`, {cf['recordings']} recordings;"
+                        f" host syncs in a captured step: {cf['host_syncs_in_a_step']}."]
         out.append("")
     if "planted" in results:
         pr = results["planted"]
@@ -718,6 +773,13 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 " (`specdec.policy.PrefixPolicy`: confidences = the planted p, costs = the measured"
                 " verify times of a [concurrency, m] block and the planted run's draft time).", ""]
         out += _spec_table(pr["rows"], lead="scheduler")
+        if pr.get("captured_rows"):
+            out += ["Captured steps (every target step after the prefill replayed; no scheduler): the same"
+                    " requests, autoregressive and planted, both captured.", ""]
+            out += _spec_table(pr["captured_rows"], lead="capture")
+            out += ["| concurrency | identical to eager AR | captured AR speedup over eager AR |", "|---|---|---|"]
+            out += [f"| {r['concurrency']} | {r['identical_to_eager']} | {r['ar_speedup_over_eager']:.2f} |"
+                    for r in pr["captured_rows"]] + [""]
     if "mtp" in results:
         mr = results["mtp"]
         out += ["## Real acceptance: tiny DeepSeek-V3 with its MTP modules", "",
