@@ -218,16 +218,24 @@ def test_the_kits_planted_section_is_identical_to_autoregressive_at_the_planted_
             runs[-1][2].append(tuple(tokens.shape))
         return forward(session, tokens, *args, **kwargs)
 
-    def recording_decode(target, drafter, prompts, new_tokens, k, policy=None):
+    captured_runs: list[tuple[bool, bool]] = []  # the same runs on the captured target (captured_rows)
+
+    def recording_decode(run_target, drafter, prompts, new_tokens, k, policy=None):
+        if run_target is not target:
+            captured_runs.append((drafter is not None, policy is not None))
+            return decode(run_target, drafter, prompts, new_tokens, k, policy)
         runs.append((drafter is not None, policy is not None, []))
         inside[0] = True
         try:
-            return decode(target, drafter, prompts, new_tokens, k, policy)
+            return decode(run_target, drafter, prompts, new_tokens, k, policy)
         finally:
             inside[0] = False
 
     monkeypatch.setattr(target, "forward", recording_forward)
     monkeypatch.setattr(gpu, "decode", recording_decode)
+    both_paths = gpu.both_paths
+    assert target.capture_mode == "eager"  # on a CPU: so it can stand for the section's eager target
+    monkeypatch.setattr(gpu, "both_paths", lambda t: (t, both_paths(t)[1]))
     # verify costs that do not grow with the block: the scheduler verifies every draft, whatever this CPU measures
     flat = [{"batch": c, "m": m, "ms": 1.0} for c in (1, 4) for m in (1, 2, 4, 8)]
     res = gpu.bench_planted(target, "cpu", True, gpu.Budget(1e9, gpu.now()), p=0.8, k=4, forward_rows=flat)
@@ -237,6 +245,8 @@ def test_the_kits_planted_section_is_identical_to_autoregressive_at_the_planted_
     ar, plain, sched = (False, False), (True, False), (True, True)
     per_c = [ar, plain] + [ar] * r + [plain] * r + [sched] * (1 + r)
     assert [(d, s) for d, s, _ in runs] == per_c * 2
+    assert captured_runs == [ar, ar, plain, plain] * 2  # each untimed first, on the captured target
+    assert all(row["identical_to_eager"] for row in res["captured_rows"]) and len(res["captured_rows"]) == 2
     for c in range(2):
         at_c = runs[len(per_c) * c: len(per_c) * (c + 1)]
         for kind in (ar, plain, sched):  # every run of a configuration, untimed and timed, ran the same forwards
