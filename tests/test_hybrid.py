@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from specdec import make_drafter
-from specdec.drafters.hybrid.drafter import (LEARNED, MODEL_FREE, HybridDrafter, _Draft, choose, expected_length,
-                                             walk)
+from specdec.drafters.hybrid.drafter import (LEARNED, MODEL_FREE, HybridDrafter, _Draft, calibrated, choose,
+                                             expected_length, walk)
 from specdec.loop import Request, run
 from specdec.registry import verifier_class
 from specdec.sampling import SamplingParams
@@ -137,6 +137,32 @@ def test_ngram_first_lets_the_learned_part_sit_out_when_every_greedy_row_has_a_m
     run(target, d, GreedyVerifier(), [Request(REPEATING * 2, 12)], k=3, eos_token_ids=set())
     sat_out = [s for s in d.steps if s[0][LEARNED] is None]
     assert sat_out and all(int(s[0][MODEL_FREE].num_valid[0]) > 0 for s in sat_out)
+    assert d.learned_calls == len(d.steps) - len(sat_out)
+
+
+def test_expected_lets_the_learned_part_sit_out_only_when_its_best_case_loses(target):
+    """Greedy, on a prompt the continuation copies: a step without a learned draft is one where the
+    model-free draft's calibrated expected length is at least the learned part's upper bound (all
+    of its last proposal's nodes accepted, calibrated by the row's record), and the output is the
+    target's greedy."""
+    d = Recorded.tiny(target, rule="expected")
+    seen = []
+    settled = d._settled
+
+    def spy(state, b, mf):
+        out = settled(state, b, mf)
+        bound = calibrated(state.learned_nodes or 0, state.predicted[b][LEARNED], state.observed[b][LEARNED], 2.0)
+        mine = calibrated(expected_length(mf), state.predicted[b][MODEL_FREE], state.observed[b][MODEL_FREE], 2.0)
+        seen.append((out, state.learned_nodes is not None and bool(mf.tokens) and mine >= bound))
+        return out
+
+    d._settled = spy
+    reqs = [Request(REPEATING * 3, 24)]
+    got = run(target, d, GreedyVerifier(), reqs, k=4, eos_token_ids=set())
+    assert got.requests[0].tokens == run(target, None, GreedyVerifier(), reqs, eos_token_ids=set()).requests[0].tokens
+    assert all(out == expect for out, expect in seen)
+    sat_out = [s for s in d.steps if s[0][LEARNED] is None]
+    assert sat_out and len(sat_out) < len(d.steps)
     assert d.learned_calls == len(d.steps) - len(sat_out)
 
 

@@ -2,8 +2,8 @@
 or any drafter), and per row and step the proposal of whichever part is expected to get more
 tokens accepted.
 
-Both parts draft every step (the learned part's draft is its evidence) and both observe every
-commit, whichever part was chosen, so each keeps its state in step with the target. A row's
+Both parts draft (the learned part's draft is its evidence; it sits out a greedy step no row could
+choose it in) and both observe every commit, whichever part was chosen, so each keeps its state in step with the target. A row's
 proposal comes wholly from one part; rows of one batch may choose different parts, merged into
 one :class:`~specdec.types.DraftProposal` padded to the longer part with ``num_valid``.
 
@@ -21,8 +21,11 @@ one :class:`~specdec.types.DraftProposal` padded to the longer part with ``num_v
   part is chosen when its ``E`` is larger; ties and rows whose learned draft is empty take the
   model-free part.
 - ``"ngram_first"``: vLLM's ngram-eagle rule: the model-free draft whenever it has one, else the
-  learned one. With every row greedy and every row holding a model-free draft, the learned part
-  does not draft that step.
+  learned one.
+
+When every row is greedy and no row could choose the learned part (under ``expected``: its model-free
+draft's expected length is at least the learned part's upper bound, every node of its last
+proposal accepted, calibrated), the learned part does not draft that step.
 
 The choice reads only the row's own draft and history, never another row's, so a row's output
 does not depend on its batch; and a choice made before verification never changes the output
@@ -47,7 +50,7 @@ from specdec.sampling import RowSampling
 from specdec.target import Target
 from specdec.types import Committed, DraftProposal, Requirements
 
-__all__ = ["HybridConfig", "HybridDrafter", "HybridState", "RULES", "choose", "expected_length", "walk",
+__all__ = ["HybridConfig", "HybridDrafter", "HybridState", "RULES", "choose", "calibrated", "expected_length", "walk",
            "BEST_CHECKPOINTS"]
 
 RULES = ("expected", "ngram_first")
@@ -102,6 +105,7 @@ class HybridState:
     observed: list[list[float]]  # per row, per part: Σ shadow accepted lengths over the same windows
     last: list[list[_Draft | None]]  # per row, per part: the last step's draft (None: it did not draft)
     chosen: list[int]  # per row: the part the last proposal came from
+    learned_nodes: int | None = None  # nodes of the learned part's last proposal (None: it never drafted)
 
 
 def path_probs(d: _Draft) -> list[float]:
@@ -148,8 +152,14 @@ def choose(rule: str, drafts: list[_Draft | None], predicted: list[float], obser
         return LEARNED
     if rule == "ngram_first":
         return MODEL_FREE
-    score = [expected_length(d) * (o + prior) / (p + prior) for d, p, o in zip(drafts, predicted, observed)]
+    score = [calibrated(expected_length(d), p, o, prior) for d, p, o in zip(drafts, predicted, observed)]
     return LEARNED if score[LEARNED] > score[MODEL_FREE] else MODEL_FREE
+
+
+def calibrated(raw: float, predicted: float, observed: float, prior: float) -> float:
+    """A raw expected length scaled by the row's record of this part: observed over predicted,
+    both shrunk towards 1 by ``prior`` pseudo-tokens."""
+    return raw * (observed + prior) / (predicted + prior)
 
 
 def _host_drafts(p: DraftProposal) -> list[_Draft]:
@@ -234,9 +244,11 @@ class HybridDrafter(Drafter):
     def propose(self, state: HybridState, k: int, rows: RowSampling) -> DraftProposal:
         mf = self.parts[MODEL_FREE].propose(state.parts[MODEL_FREE], k, rows)
         mf_drafts = _host_drafts(mf)
-        # the learned part may sit out only when it draws no random numbers (greedy) and no row needs it
-        skip = (self.config.rule == "ngram_first" and rows.all_greedy and all(d.tokens for d in mf_drafts))
+        # the learned part sits out only when it would draw no random numbers (greedy) and no row could choose it
+        skip = rows.all_greedy and all(self._settled(state, b, d) for b, d in enumerate(mf_drafts))
         learned = None if skip else self.parts[LEARNED].propose(state.parts[LEARNED], self._learned_k(k), rows)
+        if learned is not None:
+            state.learned_nodes = learned.n
         l_drafts = [None] * len(mf_drafts) if learned is None else _host_drafts(learned)
         for b, pair in enumerate(zip(mf_drafts, l_drafts)):
             state.last[b] = list(pair)
@@ -247,6 +259,21 @@ class HybridDrafter(Drafter):
         chains = all(d.parents == list(range(-1, len(d.parents) - 1))
                      for d in (pair[c] for pair, c in zip(state.last, state.chosen)))
         return self._merge(mf, learned, state.chosen, chains)
+
+    def _settled(self, state: HybridState, b: int, mf: _Draft) -> bool:
+        """Whether row ``b`` takes its model-free draft ``mf`` whatever the learned part drafts:
+        under ``ngram_first`` when there is one; under ``expected`` when its expected length is at
+        least the most the learned part's could be (each of its last proposal's nodes accepted
+        for sure, scaled by the row's record of it)."""
+        if not mf.tokens:
+            return False
+        if self.config.rule == "ngram_first":
+            return True
+        if state.learned_nodes is None:
+            return False
+        c, p, o = self.config.prior, state.predicted[b], state.observed[b]
+        return calibrated(expected_length(mf), p[MODEL_FREE], o[MODEL_FREE], c) >= \
+            calibrated(state.learned_nodes, p[LEARNED], o[LEARNED], c)
 
     def _merge(self, mf: DraftProposal, learned: DraftProposal, chosen: list[int], chains: bool) -> DraftProposal:
         """One proposal: each row's nodes from its chosen part, padded to the longer part; a chain
