@@ -235,3 +235,24 @@ def test_eagle3_reports_its_greedy_draft_probabilities_only_when_asked(target):
             assert conf is None
         else:
             assert conf.shape == (1, 2) and bool(((conf > 0) & (conf <= 1)).all())
+
+
+def test_the_choice_benchmark_counts_steps_choices_and_sat_out_steps(target):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "benchmarks" / "hybrid_choice.py"
+    spec = importlib.util.spec_from_file_location("specdec_experiments_hybrid_choice", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    d = Recorded.tiny(target, rule="ngram_first")
+    for prompt in (REPEATING * 2, FRESH):  # one prompt a call: Recorded keeps one generation's steps
+        counts = bench.choice_counts(target, d, [prompt], 12, 3)
+        assert counts["steps"] == len(d.steps) > 0
+        assert counts["learned_chosen"] == sum(c == LEARNED for _, chosen, _ in d.steps for c in chosen)
+        assert counts["learned_sat_out"] == sum(s[0][LEARNED] is None for s in d.steps)
+        assert "propose" not in vars(d)  # the drafter is handed back as it came
+        if prompt == FRESH:
+            assert counts["learned_chosen"] > 0
+        else:
+            assert counts["learned_sat_out"] > 0

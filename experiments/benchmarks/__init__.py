@@ -11,6 +11,7 @@ thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
 - ``eagle3_chain_estimate``: an EAGLE-3 head's training-time estimate against decoding.
 - ``eagle3_serving``: the vLLM / SGLang settings that serve an EAGLE-3 checkpoint.
+- ``hybrid_choice``: which part the hybrid drafter proposes from, per rule, and when its learned part sits out.
 - ``preset_steps``: the target steps each preset decodes, the basis of its run time, no clock.
 
 Every timing goes through :mod:`specdec.timing`. The decoding questions themselves (which drafter,
