@@ -111,11 +111,12 @@ sweep-drafters: setup
 # The GPU kit (docs/gpu.md): kernels, the loop at Llama-3.1-8B scale, planted (with and without the
 # batch-aware scheduler) and real acceptance, EAGLE-3 training throughput, in
 # under 8 minutes on an H200; results into OUT. DRY_RUN=1: the CPU run at tiny shapes (the tests run it).
-# No set-up: a GPU machine without network runs it with its own python3 (torch, transformers, safetensors).
+# No set-up: a GPU machine without network runs it with its own python3 (torch, transformers, safetensors), so
+# the kit's module directly, not the Hydra runner (its mode `gpu`: experiments/run.py --config-name lab/gpu out=...).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-bench:
 	@test -n "$(OUT)" || { echo "usage: make gpu-bench OUT=<folder> [DRY_RUN=1]"; exit 2; }
-	$(GPU_PY) experiments/bench.py gpu --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
+	PYTHONPATH=experiments $(GPU_PY) -m benchmarks.gpu --out "$(OUT)" $(if $(DRY_RUN),--dry-run)
 
 # Interop with the real speculators package (docs/serving.md), not part of `make test`: a side venv
 # (speculators pins transformers <= 5.19, ours is newer) with the CPU torch and speculators' model-side

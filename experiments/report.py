@@ -3,10 +3,14 @@ each question's current table for docs/results/ (``--table``).
 
     .venv/bin/python experiments/report.py multirun/<date>/<time> [--out DIR] [--title TEXT] [--per-request]
     .venv/bin/python experiments/report.py multirun/<question> --table docs/results/<question>.md
+    .venv/bin/python experiments/report.py --page docs/results/*.md
 
-``--table`` renders the question's table from its run alone: the question its preset asks, the
-command, git SHA, machine (CPU model, threads, dtype) and date its ``config.json`` recorded, and
-every method of every job (:func:`question_table`); ``docs/results.md`` links those files.
+Every page of docs/results/ is rendered from its record, ``docs/results/<name>.json`` (:func:`render_page`):
+the title, the question, the header (command, git SHA, machine, date), the figures and the tables;
+the page's prose follows its notes line and is kept when it is rendered again. ``--table`` makes a
+question's record from its run alone (:func:`question_record`: the question its preset asks, the
+provenance its ``config.json`` recorded, every method of every job) and renders the page from it;
+``--page`` renders pages again from their committed records; ``docs/results.md`` links them.
 
 The runner's own renderings come from here too (the library writes records, not pages): each run's
 ``summary.md`` (:func:`summary_markdown`) and a roofline run's ``roofline.md`` and figures
@@ -60,7 +64,8 @@ from specdec.eval.runner import k_label, lossy_mark  # noqa: E402
 from specdec.provenance import with_kept_notes  # noqa: E402
 
 __all__ = ["FIGURES", "describe", "summary_markdown", "roofline_markdown", "roofline_figures", "load_runs",
-           "write_figures", "write_report", "question_table", "method_style"]
+           "write_figures", "write_report", "question_record", "question_table", "method_style", "render_page",
+           "write_page", "learning_curves_tables", "learning_curves_figure"]
 
 
 def load_runs(folder: Path) -> list[dict]:
@@ -718,10 +723,10 @@ def _job(dirname: str) -> str:
     return f"{index}: {', '.join(kept)}" if kept else index
 
 
-def question_table(folder: Path) -> str:
-    """A question's current table, rendered from its run (a multirun folder or one run folder): what
-    the preset asks, the command, git SHA, machine (CPU model, threads, dtype) and date that
-    ``config.json`` recorded, then one row per method of every job. Nothing is typed by hand."""
+def question_record(folder: Path) -> dict[str, Any]:
+    """A question's record, from its run (a multirun folder or one run folder): what the preset asks,
+    the command, git SHA, machine (CPU model, threads, dtype) and date that ``config.json`` recorded,
+    then one row per method of every job. Nothing is typed by hand."""
     runs = load_runs(folder)
     meta = runs[0]["meta"]
     if "command" not in meta or "machine" not in meta:
@@ -731,39 +736,190 @@ def question_table(folder: Path) -> str:
     shas = sorted({r["meta"].get("git_sha") or "?" for r in runs})
     dates = sorted({r["meta"].get("date", "?") for r in runs})
     where = f"{mach['cpu']}" + (f", {mach['gpu']}" if mach.get("gpu") else "")
-    lines = [f"# `{name}`", "", asks, "",
-             f"- command: `{meta['command']}`",
-             f"- git: {', '.join(s[:10] for s in shas)}; torch {meta.get('torch')}, transformers {meta.get('transformers')}",
-             f"- machine: {where}, {mach['threads']} thread(s), {mach['dtype']}",
-             f"- date: {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else ""),
-             f"- rendered by: `python experiments/report.py {folder} --table <this file>`", "",
-             "| job | dataset | T | concurrency | method | k | tok/s | speedup | decode speedup | mean acc. len |"
-             " identical to AR |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for r in sorted(runs, key=lambda r: r["dir"].name):
         cfg = r["config"]
         for method, x in r["summary"].items():
-            lines.append(f"| {_job(r['dir'].name)} | {cfg['dataset']['name']} | {cfg['sampling']['temperature']:g}"
-                         f" | {x['concurrency']} | {method}{lossy_mark(x)} | {k_label(x)} | {x['tokens_per_s']:.1f}"
-                         f" | {_fmt(x.get('speedup'), '.2f')} | {_fmt(x.get('decode_speedup'), '.2f')}"
-                         f" | {_fmt(x.get('mean_accepted_length'), '.2f')} | {_same(x)} |")
-    return "\n".join(lines) + "\n"
+            rows.append([_job(r["dir"].name), cfg["dataset"]["name"], f"{cfg['sampling']['temperature']:g}",
+                         str(x["concurrency"]), f"{method}{lossy_mark(x)}", k_label(x), f"{x['tokens_per_s']:.1f}",
+                         _fmt(x.get("speedup"), ".2f"), _fmt(x.get("decode_speedup"), ".2f"),
+                         _fmt(x.get("mean_accepted_length"), ".2f"), _same(x)])
+    return {"title": f"`{name}`", "question": asks,
+            "provenance": {"command": meta["command"],
+                           "git": f"{', '.join(s[:10] for s in shas)}; torch {meta.get('torch')}, "
+                                  f"transformers {meta.get('transformers')}",
+                           "machine": f"{where}, {mach['threads']} thread(s), {mach['dtype']}",
+                           "date": dates[0] + (f" to {dates[-1]}" if len(dates) > 1 else "")},
+            "source": f"made by `python experiments/report.py {folder} --table docs/results/{name}.md` from the "
+                      "run's config.json and summary.json files (run outputs are not committed)",
+            "tables": [{"columns": ["job", "dataset", "T", "concurrency", "method", "k", "tok/s", "speedup",
+                                    "decode speedup", "mean acc. len", "identical to AR"],
+                        "align": "lllrlrrrrrr", "rows": rows}]}
+
+
+def question_table(folder: Path) -> str:
+    """A question's current table: :func:`render_page` of its :func:`question_record`."""
+    record = question_record(folder)
+    return render_page(record, record["title"].strip("`"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Results pages: docs/results/<name>.md rendered from its record docs/results/<name>.json
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+HEADER = ("command", "git", "machine", "date")  # every record's provenance, as each page's header lists it
+
+
+def markdown_table(columns: list[str], align: str, rows: list[list[str]]) -> list[str]:
+    """A markdown table; ``align``: one letter per column, ``l`` or ``r``."""
+    if len(align) != len(columns) or any(len(r) != len(columns) for r in rows):
+        raise ValueError(f"a table of {len(columns)} columns needs as many alignments and cells per row")
+    return ["| " + " | ".join(columns) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def render_page(record: dict[str, Any], name: str) -> str:
+    """A results page's rendered part from its record: the title, the question, the header (command,
+    git, machine, date, where the record came from and the command that renders the page), the
+    figures and every table (a learning-curves record's tables derived from its curves). The page's
+    notes follow it, kept when it is rendered again (:func:`specdec.provenance.with_kept_notes`)."""
+    missing = [k for k in HEADER if not record.get("provenance", {}).get(k)]
+    if missing or not record.get("title"):
+        raise ValueError(f"the record of {name} lacks its title or provenance {missing}")
+    p = record["provenance"]
+    lines = [f"# {record['title']}", ""]
+    if record.get("question"):
+        lines += [record["question"], ""]
+    lines += [f"- command: `{p['command']}`", f"- git: {p['git']}", f"- machine: {p['machine']}", f"- date: {p['date']}",
+              *([f"- settings: {p['settings']}"] if p.get("settings") else []),
+              f"- record: [`{name}.json`]({name}.json)" + (f", {record['source']}" if record.get("source") else ""),
+              f"- rendered by: `python experiments/report.py --page docs/results/{name}.md`", ""]
+    tables = list(record.get("tables", []))
+    if "curves" in record:
+        lines += ["![learning curves](learning_curves.png)", ""]
+        tables += learning_curves_tables(record["curves"])
+    for t in tables:
+        lines += [t["heading"], ""] if t.get("heading") else []
+        lines += [t["caption"], ""] if t.get("caption") else []
+        lines += [*markdown_table(t["columns"], t["align"], t["rows"]), ""]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_page(page: Path) -> list[Path]:
+    """Render ``page`` (and a learning-curves record's figure) from the record beside it, its notes kept."""
+    record = json.loads(page.with_suffix(".json").read_text())
+    page.write_text(with_kept_notes(page, render_page(record, page.stem)))
+    written = [page]
+    if "curves" in record:
+        written.append(learning_curves_figure(record["curves"], page.with_suffix(".png")))
+    return written
+
+
+# the learning curves (experiments/benchmarks/learning_curves.py collects them into the record)
+CURVE_FAMILIES = ("eagle3", "dflash", "dspark", "gemma_mtp", "mtp")
+AIM_MAL = 2.5  # the aimed mean accepted length at the best k (the page estimates the tokens to reach it)
+BEYOND = 1e15  # tokens past which an extrapolation names no data set that exists (the papers train on 1e7-1e8)
+
+
+def tokens_to_reach(points: list[tuple[int, float]], aim: float) -> tuple[float, float | None]:
+    """(slope per decade, tokens) of a least-squares line of mean accepted length against log10
+    tokens seen, extrapolated to ``aim``: how far a curve's own trend would have to run. ``None``
+    when the trend does not rise (or fewer than two points): no number of tokens reaches it."""
+    if len(points) < 2:
+        return 0.0, None
+    xs, ys = [math.log10(t) for t, _ in points], [m for _, m in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    if slope <= 0:
+        return slope, None
+    decades = mx + (aim - my) / slope
+    return slope, 10 ** decades if decades < 300 else math.inf  # a near-flat rise: past any float
+
+
+def _tokens(need: float | None) -> str:
+    if need is None:
+        return "never on this trend"
+    return f"> {BEYOND:.0e}" if need > BEYOND else f"{need:.1e}"
+
+
+def learning_curves_tables(data: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The curves' two tables: every decoded point, and each curve's trend to :data:`AIM_MAL`."""
+    rows = []
+    for f, pts in data.items():
+        for p in pts:
+            d = p["decoded"]
+            if d is None:
+                continue
+            cells = [[f"{d[n]['mean_accepted_length']:.2f}", " ".join(f"{x:.2f}" for x in d[n]["acceptance_at"])]
+                     for n in ("mtbench", "humaneval")]
+            rows.append([f, f"{p['tokens']:,}", str(p["steps"]), f"{p['wall_seconds']:.0f}", *cells[0], *cells[1]])
+    trend = []
+    for f, pts in data.items():
+        done = [p for p in pts if p["decoded"]]
+        cells = []
+        for n in ("mtbench", "humaneval"):
+            slope, need = tokens_to_reach([(p["tokens"], p["decoded"][n]["mean_accepted_length"]) for p in done], AIM_MAL)
+            cells += [f"{slope:+.3f}", _tokens(need)]
+        trend.append([f, str(len(done)), *cells])
+    return [{"columns": ["drafter", "tokens seen", "steps", "wall s", "MT-bench MAL", "MT-bench acceptance 1..k",
+                         "HumanEval MAL", "HumanEval acceptance 1..k"], "align": "lrrrrlrl", "rows": rows},
+            {"caption": f"**Tokens to the aim, by each curve's own trend** (a least-squares line of MAL against log10 "
+                        f"tokens seen over the curve's points, extrapolated to MAL {AIM_MAL}; a trend, not a promise):",
+             "columns": ["drafter", "points", "MT-bench MAL gain per 10x tokens", f"MT-bench tokens to MAL {AIM_MAL}",
+                         "HumanEval MAL gain per 10x tokens", f"HumanEval tokens to MAL {AIM_MAL}"],
+             "align": "lrrrrr", "rows": trend}]
+
+
+def learning_curves_figure(data: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    """Mean accepted length against tokens seen, held-out MT-bench and HumanEval side by side; a
+    lever (``family@variant``) dashed in its family's colour."""
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, name in zip(axes, ("mtbench", "humaneval")):
+        for f, pts in data.items():
+            xs = [p["tokens"] for p in pts if p["decoded"]]
+            ys = [p["decoded"][name]["mean_accepted_length"] for p in pts if p["decoded"]]
+            family = f.split("@", 1)[0]
+            lever = sum(1 for g in list(data)[:list(data).index(f)] if g.split("@", 1)[0] == family)  # 0: the plain curve
+            ax.plot(xs, ys, marker="os^vD"[lever % 5], label=f, ls="--" if lever else "-",
+                    color=f"C{CURVE_FAMILIES.index(family) if family in CURVE_FAMILIES else len(CURVE_FAMILIES)}")
+        ax.set(xscale="log", xlabel="training tokens seen", ylabel="mean accepted length (greedy, chain k=4)",
+               title=f"held-out {'MT-bench' if name == 'mtbench' else 'HumanEval'}")
+        ticks = sorted({p["tokens"] for pts in data.values() for p in pts if p["decoded"]})
+        ax.set_xticks(ticks, [f"{t / 1e3:.0f}k" if t < 1e6 else f"{t / 1e6:.1f}M" for t in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("folder", type=Path, help="a multirun folder (or one run folder)")
+    ap.add_argument("folder", type=Path, nargs="?", help="a multirun folder (or one run folder)")
     ap.add_argument("--out", type=Path, default=None, help="where figures and report.md go (default: folder)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--per-request", action="store_true", help="also tokens/s and acceptance per request")
     ap.add_argument("--table", type=Path, default=None,
-                    help="write the question's current table (docs/results/<question>.md) instead of a report; "
-                         "the page's notes (after its notes line) are kept")
+                    help="write the question's record (docs/results/<question>.json) from the folder's run and "
+                         "render its page (<question>.md) from it instead of a report; the page's notes are kept")
+    ap.add_argument("--page", type=Path, nargs="+", default=None,
+                    help="render these results pages (docs/results/<name>.md) from their committed records")
     args = ap.parse_args()
+    if args.page is not None:
+        for page in args.page:
+            print(*write_page(page))
+        return
+    if args.folder is None:
+        ap.error("a run or multirun folder, or --page")
     if args.table is not None:
         args.table.parent.mkdir(parents=True, exist_ok=True)
-        args.table.write_text(with_kept_notes(args.table, question_table(args.folder)))
-        print(args.table)
+        args.table.with_suffix(".json").write_text(json.dumps(question_record(args.folder), indent=1) + "\n")
+        print(*write_page(args.table))
         return
     print(write_report(args.folder, args.out, args.title, args.per_request))
 

@@ -317,18 +317,29 @@ class Target:
         final hidden state [B, T, D] (``target.logits`` of it gives the target's logits)."""
         if any(not 0 <= i <= self.num_layers for i in layer_inputs):
             raise ValueError(f"hidden-state ids {list(layer_inputs)} outside [0, {self.num_layers}]")
-        # transformers' last hidden_states entry is taken after the final norm; id L is the norm's
-        # input, as the loop's hooks capture it, so it is read from a pre-hook on the norm.
-        pre_norm: list[Tensor] = []
-        hook = (self.final_norm.register_forward_pre_hook(lambda m, args: pre_norm.append(args[0]))
-                if self.num_layers in layer_inputs else None)
-        try:
+        with self.norm_input(self.num_layers in layer_inputs) as pre_norm:
             out = self.decoder(input_ids=tokens.to(self.device), output_hidden_states=True, use_cache=False)
+        return self.layer_inputs(out.hidden_states, pre_norm, layer_inputs), out.last_hidden_state
+
+    @contextmanager
+    def norm_input(self, wanted: bool = True) -> Iterator[list[Tensor]]:
+        """The final norm's input of the forward run inside the block (a list that holds it after).
+
+        transformers' last ``hidden_states`` entry is taken after the final norm, while layer id
+        ``L`` is the norm's input, as the loop's hooks capture it: a cache-free forward that serves
+        training reads id ``L`` here, so training and decoding see the same tensor."""
+        seen: list[Tensor] = []
+        hook = self.final_norm.register_forward_pre_hook(lambda m, args: seen.append(args[0])) if wanted else None
+        try:
+            yield seen
         finally:
             if hook is not None:
                 hook.remove()
-        return ({i: pre_norm[0] if i == self.num_layers else out.hidden_states[i] for i in layer_inputs},
-                out.last_hidden_state)
+
+    def layer_inputs(self, hidden_states: tuple[Tensor, ...], norm_input: list[Tensor],
+                     ids: list[int] | tuple[int, ...]) -> dict[int, Tensor]:
+        """{id: [B, T, D]} from a forward's ``hidden_states`` and its :meth:`norm_input` (id ``L``)."""
+        return {i: norm_input[0] if i == self.num_layers else hidden_states[i] for i in ids}
 
     def hidden(self, tokens: Tensor) -> Tensor:
         """The post-norm final hidden state of a cache-free forward over ``tokens`` [B, T] → [B, T, D],

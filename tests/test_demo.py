@@ -100,7 +100,7 @@ def no_model(monkeypatch):
     (["--k", "two"], "invalid int value"),
     (["--drafter", "ngarm"], "'ngarm' is not offered; the demo offers: ngram, suffix"),
     (["--drafter", "dflash"], "checkpoint 'smollm2-135m-dflash' is not committed.*make it, from the repository root,"
-                              " with: .*python experiments/train.py.*recorded: 15.7 minutes on 1 CPU thread"),
+                              " with: .*python experiments/run.py --config-name train/.*recorded: 15.7 minutes on 1 CPU thread"),
     (["--k", "100000"], "--k 100000 with --max-new-tokens 96 cannot fit SmolLM2-135M's context window of 8192"),
     (["--max-new-tokens", "8192"], "--max-new-tokens 8192 cannot fit"),
 ])

@@ -262,14 +262,15 @@ def test_kl_loss_learns_the_targets_own_distribution_where_each_draft_is_verifie
             num, den = num + w * float((p_t * (p_t.log() - q)).sum()), den + w
     assert float(out.loss) == pytest.approx(num / den, rel=1e-4)
     torch.testing.assert_close(again.loss, out.loss)
-    assert out.metrics["kl"] == pytest.approx(float(out.loss))
+    assert float(out.metrics["kl"]) == pytest.approx(float(out.loss))
     with pytest.raises(ValueError, match="loss must be"):
         DFlashOptions(loss="l2")
 
 
-def test_training_forward_equals_the_drafters_block_pass(target):
+@pytest.mark.parametrize("group", [0, 2], ids=["one-forward", "groups-of-2"])
+def test_training_forward_equals_the_drafters_block_pass(target, group):
     """Each training block computes exactly what the drafter computes at inference from the
-    committed prefix before its anchor."""
+    committed prefix before its anchor, its blocks in one forward or in groups (2, then 1)."""
     from specdec.drafters.dflash.train import BlockBatch, block_forward
 
     d = DFlashDrafter.tiny(target)
@@ -282,7 +283,8 @@ def test_training_forward_equals_the_drafters_block_pass(target):
                        torch.tensor([0]))
     anchors = torch.tensor([[2, 5, 7]])
     with torch.no_grad():
-        hidden, _ = block_forward(d.model, target.embed_tokens, batch, anchors, torch.ones(1, 3, dtype=torch.bool))
+        hidden, _ = block_forward(d.model, target.embed_tokens, batch, anchors, torch.ones(1, 3, dtype=torch.bool),
+                                  group)
         for i, a in enumerate(anchors[0].tolist()):
             state = d.start(_committed(target, d, [], tokens[:a], tokens[a]), GREEDY)
             torch.testing.assert_close(hidden[:, i], d.block_hidden(state, d.cfg.block_size), atol=1e-5, rtol=1e-5)

@@ -125,8 +125,8 @@ def test_the_committed_token_map_is_what_its_command_makes(tmp_path):
     committed = read_token_map(MAP)
     assert committed.unique().numel() == committed.numel() and 0 <= committed.min() and committed.max() < 49152
     out = tmp_path / "map.safetensors"
-    subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "token_map", "--out", str(out)], check=True,
-                   capture_output=True, cwd=ROOT)
+    subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--config-name", "lab/token_map", f"out={out}",
+                    f"hydra.run.dir={tmp_path / 'run'}"], check=True, capture_output=True, cwd=ROOT)
     assert torch.equal(read_token_map(out), committed)
 
 

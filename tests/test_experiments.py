@@ -503,14 +503,36 @@ def test_acceptance_script_measures_a_presets_methods_on_held_out_prompts_only(t
     assert "| 7,500 | ngram | ngram | 3 |" in acc.markdown(by_context, "header")
 
 
-@pytest.mark.parametrize("argv, error", [
-    (["--context", "128"], "--context goes with --dataset stdlib"),
-    (["--dataset", "stdlib"], "--dataset stdlib needs --context"),
-    (["--dataset", "stdlib", "--context", "0"], "positive token counts"),
+@pytest.mark.parametrize("options, error", [
+    ({"context": [128]}, "context goes with dataset=stdlib"),
+    ({"dataset": "stdlib"}, "dataset=stdlib needs context"),
+    ({"dataset": "stdlib", "context": [0]}, "positive token counts"),
+    ({"methods": ["nope"]}, r"methods \['nope'\] are not in preset"),
 ])
-def test_the_acceptance_bench_refuses_a_context_question_it_cannot_ask_before_loading_a_model(argv, error, monkeypatch):
+def test_the_acceptance_bench_refuses_a_context_question_it_cannot_ask_before_loading_a_model(options, error, monkeypatch):
     acc = _load("specdec_experiments_acceptance", EXP / "benchmarks" / "acceptance.py")
     monkeypatch.setattr(acc, "load_target", lambda *a, **k: pytest.fail("the model was loaded"))
-    monkeypatch.setattr("sys.argv", ["acceptance", "--preset", "context_length", "--out", "unused", *argv])
     with pytest.raises(SystemExit, match=error):
-        acc.main()
+        acc.measure(preset="context_length", out="unused", **options)
+
+
+def test_a_lab_preset_is_checked_against_its_function_before_any_work():
+    """Every conf/lab/<mode>.yaml names a mode of LAB_MODES and holds exactly its function's parameters
+    (and a misspelt or missing key fails by name)."""
+    from omegaconf import OmegaConf
+
+    modes = sorted(p.stem for p in (EXP / "conf" / "lab").glob("*.yaml"))
+    assert modes == sorted(entry.LAB_MODES)
+    for mode in modes:
+        cfg = OmegaConf.load(EXP / "conf" / "lab" / f"{mode}.yaml")
+        del cfg["hydra"]
+        cfg = OmegaConf.merge(cfg, {k: "x" for k in cfg if OmegaConf.is_missing(cfg, k)})
+        fn, params = entry.lab_job(cfg)
+        assert fn.__name__ == entry.LAB_MODES[mode].split(":")[1] and "mode" not in params
+    cfg = OmegaConf.create({"mode": "eagle3_serving", "checkpoint": "x", "treee": "chain"})
+    with pytest.raises(SystemExit, match=r"unknown keys \['treee'\], missing keys \[\]"):
+        entry.lab_job(cfg)
+    with pytest.raises(SystemExit, match=r"missing keys \['checkpoint'\]"):
+        entry.lab_job(OmegaConf.create({"mode": "eagle3_serving"}))
+    with pytest.raises(SystemExit, match="unknown mode 'nope'"):
+        entry.lab_job(OmegaConf.create({"mode": "nope"}))

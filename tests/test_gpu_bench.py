@@ -1,9 +1,10 @@
-"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of experiments/bench.py gpu."""
+"""The GPU kit: the planted-acceptance drafter, and the CPU dry run of `make gpu-bench DRY_RUN=1`."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,9 @@ def test_planted_all_or_nothing():
 @pytest.mark.slow  # ~45 s on one CPU core
 def test_dry_run_writes_every_file(tmp_path):
     """`make gpu-bench DRY_RUN=1`'s command: every section runs on CPU and says what it measured."""
-    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "gpu", "--dry-run", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "experiments")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--dry-run", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["gpu"] == "cpu dry run" and env["torch"] and env["transformers"]
@@ -96,9 +98,11 @@ def test_dry_run_writes_every_file(tmp_path):
     assert train["label"].startswith("training throughput only") and train["recipe"].endswith("Eagle3Recipe")
     assert [p["steps"] for p in train["parts"]] == [2, 2] and train["steps"] == 4  # stopped, then resumed
     assert train["tokens_per_s"] > 0 and train["tokens"] == sum(p["tokens"] for p in train["parts"])
+    assert train["positions_per_s"] > 0 and train["positions"] == sum(p["positions"] for p in train["parts"])
+    assert 0 < train["positions_per_token"] < 1  # every response position with a label, of every target token
     assert all(p["what"].startswith("the training loop alone") for p in train["parts"])  # as the trainer records each part
     md = (tmp_path / "results.md").read_text()
-    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md
+    assert "acceptance is planted, not learned" in md and "| rejection tree |" in md and "## Training throughput" in md and "trained positions/s" in md
     if res["figures"]:  # matplotlib present
         assert all((tmp_path / f).stat().st_size > 0 for f in res["figures"])
 

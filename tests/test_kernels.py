@@ -532,23 +532,24 @@ def test_kv_compaction_through_kernels(kernels_on, target, monkeypatch):
 
 
 # --- the benchmark script -------------------------------------------------------------------------
-def test_benchmark_smoke_runs():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "kernels", "--smoke"], env=env,
-                         cwd=ROOT / "experiments", capture_output=True, text=True, timeout=300)
+def test_benchmark_smoke_runs(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--config-name", "lab/kernels",
+                          "smoke=true", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     assert "| B |" in out.stdout and "backend" in out.stdout
 
 
 @pytest.mark.slow
-def test_kernels_compile_for_mi300x_without_a_gpu():
+def test_kernels_compile_for_mi300x_without_a_gpu(tmp_path):
     """Triton compiles ahead of time for a named target: every kernel type-checks, lowers and
     assembles for gfx942 with its AMD tuning knobs (the interpreter alone would not catch a
-    kernel that only fails to compile). ``experiments/bench.py compile_kernels`` does all targets."""
+    kernel that only fails to compile). ``experiments/run.py --config-name lab/compile_kernels`` does all targets."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench.py"), "compile_kernels", "--quick",
-                          "--targets", "gfx942"], env={**env, "TRITON_DEFAULT_FP_FUSION": "1"},
-                         cwd=ROOT / "experiments", capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), "--config-name", "lab/compile_kernels",
+                          "quick=true", "targets=[gfx942]", f"hydra.run.dir={tmp_path}"],
+                         env={**env, "TRITON_DEFAULT_FP_FUSION": "1"}, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0 and "all compiled" in out.stdout, out.stdout + out.stderr[-3000:]
 
 

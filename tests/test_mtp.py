@@ -177,7 +177,7 @@ def test_bad_inputs(ds_target, tmp_path):
 @pytest.fixture(scope="module")
 def trained() -> Target:
     assert (CHECKPOINT / "model.safetensors").exists(), \
-        f"missing {CHECKPOINT}: run experiments/train.py --config-name tiny_deepseek_v3_mtp"
+        f"missing {CHECKPOINT}: run experiments/run.py --config-name train/tiny_deepseek_v3_mtp"
     return specdec.load_target(str(CHECKPOINT))
 
 

@@ -115,7 +115,7 @@ def test_a_run_of_an_unmade_checkpoint_stops_first_naming_its_command(elsewhere)
     if "smollm2-135m-mtp" not in unmade:
         pytest.skip("smollm2-135m-mtp was made in this checkout")
     with pytest.raises(SystemExit, match=r"checkpoint 'smollm2-135m-mtp', recorded but not committed; make it first, from"
-                                         r" the repository root, with: \S*python experiments/train.py --config-name smollm2_mtp"):
+                                         r" the repository root, with: \S*python experiments/run.py --config-name train/smollm2_mtp"):
         entry.check_made(run)
     entry.check_made(entry.to_run_config(compose(config_name="ngram_sweep")))  # nothing to make: no stop
 

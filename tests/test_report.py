@@ -166,3 +166,44 @@ def test_rendering_a_page_again_replaces_its_tables_and_keeps_its_notes(tmp_path
     again = with_kept_notes(page, "# table v2\n| new |\n")
     assert again.startswith("# table v2\n| new |") and "| old |" not in again
     assert again.endswith(NOTES + "\n\nWhat the old table means.\n")
+
+
+RESULTS = ROOT / "docs" / "results"
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in RESULTS.glob("*.md")))
+def test_every_results_page_is_rendered_from_its_record(page):
+    """docs/results/<name>.md is the renderer's page of its committed record <name>.json (its header:
+    command, git SHA, machine, date), then its notes; nothing above the notes line is typed by hand."""
+    import json
+
+    from specdec.provenance import NOTES
+
+    path = RESULTS / page
+    record = json.loads(path.with_suffix(".json").read_text())
+    text = path.read_text()
+    assert NOTES in text, f"{page} has no notes line"
+    rendered = text.split(NOTES, 1)[0].rstrip("\n") + "\n"
+    assert rendered == report.render_page(record, path.stem), f"{page} differs from its record: python experiments/report.py --page docs/results/{page}"
+    for key in report.HEADER:
+        assert f"\n- {key}: " in rendered and record["provenance"][key], (page, key)
+
+
+def test_a_record_without_its_provenance_or_a_ragged_table_is_refused():
+    record = {"title": "t", "provenance": {"command": "c", "git": "g", "machine": "m", "date": "d"},
+              "tables": [{"columns": ["a", "b"], "align": "lr", "rows": [["1", "2"]]}]}
+    page = report.render_page(record, "x")
+    assert page.startswith("# t\n") and "| a | b |\n|---|---:|\n| 1 | 2 |" in page and "- record: [`x.json`](x.json)" in page
+    with pytest.raises(ValueError, match="machine"):
+        report.render_page({**record, "provenance": {"command": "c", "git": "g", "date": "d"}}, "x")
+    with pytest.raises(ValueError, match="columns"):
+        report.render_page({**record, "tables": [{"columns": ["a", "b"], "align": "lr", "rows": [["1"]]}]}, "x")
+
+
+def test_the_learning_curves_page_derives_its_tables_from_the_curves():
+    curve = lambda mal: {"tokens": 1000, "steps": 2, "wall_seconds": 3.0, "held_out": {}, "command": "c",  # noqa: E731
+                         "decoded": {n: {"mean_accepted_length": mal, "acceptance_at": [mal - 1]} for n in ("mtbench", "humaneval")}}
+    data = {"eagle3": [curve(1.1), {**curve(1.2), "tokens": 10_000}], "mtp": [{**curve(1.0), "decoded": None}]}
+    tables = report.learning_curves_tables(data)
+    assert tables[0]["rows"][1] == ["eagle3", "10,000", "2", "3", "1.20", "0.20", "1.20", "0.20"] and len(tables[0]["rows"]) == 2
+    assert tables[1]["rows"][0][:3] == ["eagle3", "2", "+0.100"] and tables[1]["rows"][1] == ["mtp", "0", "+0.000", "never on this trend", "+0.000", "never on this trend"]

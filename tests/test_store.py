@@ -254,8 +254,19 @@ def test_a_run_in_parts_reads_new_store_sequences_and_every_held_out_one(tiny_ta
         DataConfig(skip=3)
 
 
+def _curves():
+    """The lab's learning-curves module (experiments/benchmarks/learning_curves.py)."""
+    import importlib
+    import sys
+
+    experiments = str(Path(__file__).resolve().parents[1] / "experiments")
+    if experiments not in sys.path:
+        sys.path.insert(0, experiments)
+    return importlib.import_module("benchmarks.learning_curves")
+
+
 def test_curve_parts_are_consecutive_store_ranges_ending_at_each_point():
-    from specdec.training.curves import parts
+    parts = _curves().parts
 
     lengths, held = [10, 10, 10, 10, 10, 10, 10], [False, True, False, False, False, False, False]
     assert parts(lengths, held, [15, 30, 100]) == [(0, 3, 20), (3, 1, 10)]  # the held-out row counts no tokens
@@ -263,7 +274,7 @@ def test_curve_parts_are_consecutive_store_ranges_ending_at_each_point():
 
 
 def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
-    from specdec.training.curves import collect, part_command, run_name
+    collect, part_command, run_name = _curves().collect, _curves().part_command, _curves().run_name
 
     plain = part_command("eagle3", "st", "runs", 1, 10, 5, 3, 4, 16, 1)
     lever = part_command("eagle3", "st", "runs", 1, 10, 5, 3, 4, 16, 1, "ttt3", ("options.ttt_steps=3",))
@@ -283,10 +294,9 @@ def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
 
 
 def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_resumes(tmp_path, monkeypatch):
-    import argparse
-
     import specdec.api
-    import specdec.training.curves as curves
+
+    curves = _curves()
 
     looks, ran = [], []
     monkeypatch.setattr(curves, "_store_lengths", lambda store: looks.append(store) or (
@@ -308,9 +318,9 @@ def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_
     (runs / "mtp" / "p0" / "decoded.json").write_text("{}")
     (runs / "eagle3" / "p1-work").mkdir(parents=True)  # interrupted: resumed from its state
     (runs / "eagle3" / "p1-work" / "state.safetensors").write_bytes(b"")
-    curves.run(argparse.Namespace(runs=str(runs), store="st", points=[15, 30], families=["mtp", "eagle3"], variant="",
-                                  set=[], batch=4, eval_sequences=16, threads=torch.get_num_threads(), bf16=False,
-                                  poll=0.0, prompts=8, k=4, max_new_tokens=48))
+    curves.run(runs=str(runs), store="st", points=[15, 30], families=["mtp", "eagle3"], variant="", overrides=[],
+               batch=4, eval_sequences=16, threads=torch.get_num_threads(), bf16=False, poll=0.0, prompts=8, k=4,
+               max_new_tokens=48)
     assert looks == [Path("st"), Path("st")]  # one look at the store per point, not one per sequence
     assert [next(a for a in c if a.startswith("out=")) for c in ran] == [
         f"out={runs}/eagle3/p0", f"out={runs}/mtp/p1", f"out={runs}/eagle3/p1"]
@@ -322,7 +332,8 @@ def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_
 
 
 def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
-    from specdec.training.curves import tokens_to_reach
+    _curves()  # experiments/ on the path: the renderer beside the lab's modules
+    from report import tokens_to_reach
 
     slope, need = tokens_to_reach([(10_000, 1.1), (100_000, 1.2), (1_000_000, 1.3)], 2.5)
     assert slope == pytest.approx(0.1) and need == pytest.approx(1e6 * 10 ** 12, rel=1e-6)  # 1.2 more at 0.1/decade
@@ -333,21 +344,21 @@ def test_tokens_to_the_aim_extrapolate_a_curves_log_linear_trend():
 
 
 def test_the_curves_page_names_the_store_compute_dtype(tmp_path):
-    from specdec.training.curves import _store_dtype
+    _store_dtype = _curves()._store_dtype
 
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "manifest.json").write_text(json.dumps({"compute_dtype": "bfloat16"}))
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "manifest.json").write_text(json.dumps({}))  # before the key: the writer ran fp32
-    assert "in bfloat16" in _store_dtype(f"python experiments/train.py data.store={tmp_path / 's'} data.skip=0")
-    assert "in float32" in _store_dtype(f"python experiments/train.py data.store={tmp_path / 'old'}")
-    assert "unknown" in _store_dtype("python experiments/train.py data.skip=0")
+    assert "in bfloat16" in _store_dtype(f"python experiments/run.py --config-name train/smollm2_mtp data.store={tmp_path / 's'} data.skip=0")
+    assert "in float32" in _store_dtype(f"python experiments/run.py --config-name train/smollm2_mtp data.store={tmp_path / 'old'}")
+    assert "unknown" in _store_dtype("python experiments/run.py --config-name train/smollm2_mtp data.skip=0")
 
 
 def test_the_curves_page_names_the_parts_trained_under_bf16_autocast():
-    from specdec.training.curves import _training_precision
+    _training_precision = _curves()._training_precision
 
-    fp32, bf16 = {"command": "python experiments/train.py optim.bf16=false"}, {"command": "python x optim.bf16=true"}
+    fp32, bf16 = {"command": "python experiments/run.py --config-name train/smollm2_mtp optim.bf16=false"}, {"command": "python x optim.bf16=true"}
     assert _training_precision({"eagle3": [fp32, fp32], "mtp": [fp32]}) == "fp32 training and decoding"
     named = _training_precision({"eagle3": [fp32, fp32], "dflash": [fp32, bf16], "dspark": [bf16]})
     assert "dflash p1, dspark p0" in named and "eagle3" not in named and "fp32 decoding" in named
@@ -356,18 +367,18 @@ def test_the_curves_page_names_the_parts_trained_under_bf16_autocast():
 def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monkeypatch):
     """The packaged record adds up the parts and names every command that remakes the weights, the
     store's first; --record-only keeps the record alone; a part not yet trained is refused."""
-    from specdec.training.curves import main, package
+    curves, package = _curves().curves, _curves().package
     from specdec.training.trainer import TrainingRecord
 
     store = tmp_path / "store"
     store.mkdir()
-    (store / "manifest.json").write_text(json.dumps({"command": "python -m specdec.data.store --out st"}))
+    (store / "manifest.json").write_text(json.dumps({"command": "python experiments/run.py --config-name lab/store out=st"}))
     runs = tmp_path / "runs"
     for i in range(3):
         part = runs / "mtp" / f"p{i}"
         part.mkdir(parents=True)
         init = f" init={runs}/mtp/p{i - 1}" if i else ""
-        TrainingRecord(revision="abc", command=f"python experiments/train.py data.store={store} out={part}{init}",
+        TrainingRecord(revision="abc", command=f"python experiments/run.py --config-name train/smollm2_mtp data.store={store} out={part}{init}",
                        config={}, steps=10 * (i + 1), tokens=1000 * (i + 1), wall_seconds=1.5,
                        held_out={"loss": 1.0 - i / 10}).write(part)
         (part / "model.safetensors").write_bytes(bytes([i]))
@@ -377,22 +388,21 @@ def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monke
     dest = package(runs, "mtp", 1, tmp_path / "ckpt", best_k={"k": 1, "measured": "cmd: 1.1x"})
     rec = TrainingRecord.read(dest)
     assert (rec.steps, rec.tokens, rec.wall_seconds) == (30, 3000, 3.0)
-    assert rec.remake_first == ["python -m specdec.data.store --out st", f"python experiments/train.py "
+    assert rec.remake_first == ["python experiments/run.py --config-name lab/store out=st", f"python experiments/run.py --config-name train/smollm2_mtp "
                                 f"data.store={store} out={runs}/mtp/p0"]
     assert f"init={runs}/mtp/p0" in rec.equivalent_command and f"out={runs}/mtp/p1" in rec.command  # as it ran
     assert rec.equivalent_command == rec.command.replace(f"out={runs}/mtp/p1", f"out={dest}")  # remade here
     assert [p["tokens"] for p in rec.parts] == [1000, 2000] and rec.best_k == {"k": 1, "measured": "cmd: 1.1x"}
     assert "1.250 (MT-bench)" in rec.note and (dest / "model.safetensors").read_bytes() == bytes([1])
     assert sorted(f.name for f in dest.iterdir()) == ["config.json", "model.safetensors", "training.json"]
-    main(["package", "--runs", str(runs), "--family", "mtp", "--part", "2", "--dest", str(dest), "--record-only"])
+    curves(action="package", runs=str(runs), family="mtp", part=2, dest=str(dest), record_only=True)
     assert [f.name for f in dest.iterdir()] == ["training.json"]  # the earlier weights are gone too
     assert "not committed" in TrainingRecord.read(dest).note and TrainingRecord.read(dest).best_k is None
     with pytest.raises(FileNotFoundError, match=r"no finished part"):
         package(runs, "mtp", 3, dest)
-    for bad in (["--part", "-1"], ["--part", "1", "--best-k", "2"], ["--part", "1", "--best-k", "0",
-                                                                    "--best-k-measured", "x"]):
+    for bad in ({"part": -1}, {"part": 1, "best_k": 2}, {"part": 1, "best_k": 0, "best_k_measured": "x"}):
         with pytest.raises(SystemExit):
-            main(["package", "--runs", str(runs), "--family", "mtp", "--dest", str(dest), *bad])
+            curves(action="package", runs=str(runs), family="mtp", dest=str(dest), **bad)
     # a recorded-only checkpoint says which folder its last command writes
     import specdec.models as models
 
@@ -400,5 +410,5 @@ def test_a_curve_part_packages_as_a_checkpoint_its_chain_remakes(tmp_path, monke
     package(runs, "mtp", 2, root / "smollm2-135m-mtp", weights=False)
     monkeypatch.setattr(models, "_checkpoint_root", lambda: root)
     command, out = models.uncommitted_checkpoints()["smollm2-135m-mtp"]
-    assert command.startswith(f"{models.python_command()} -m specdec.data.store") and command.count(" && ") == 3
+    assert command.startswith(f"{models.python_command()} experiments/run.py --config-name lab/store") and command.count(" && ") == 3
     assert out == str(root / "smollm2-135m-mtp")  # the chain's last part writes the recorded folder

@@ -325,10 +325,10 @@ def test_mtp_kl_loss_is_the_forward_kl_to_the_targets_own_next_distribution(tiny
         p = target_logits[:, d: d + n].softmax(-1)
         m = mask[:, d + 1: d + 1 + n]
         kl = (p * (p.log() - q.float().log_softmax(-1))).sum(-1)
-        assert r.mtp_ce[d - 1] == pytest.approx(float((kl * m).sum() / m.sum()), rel=1e-4, abs=1e-6)
+        assert float(r.mtp_ce[d - 1]) == pytest.approx(float((kl * m).sum() / m.sum()), rel=1e-4, abs=1e-6)
         agree = (q.argmax(-1) == p.argmax(-1)) & m
-        assert r.mtp_acc[d - 1] == pytest.approx(float(agree.sum() / m.sum()))
-    assert float(r.loss.detach()) == pytest.approx(0.3 / 2 * sum(r.mtp_ce), rel=1e-5)
+        assert float(r.mtp_acc[d - 1]) == pytest.approx(float(agree.sum() / m.sum()))
+    assert float(r.loss.detach()) == pytest.approx(0.3 / 2 * float(r.mtp_ce.sum()), rel=1e-5)
 
 
 def test_mtp_recipe_over_a_draft_vocabulary_reads_those_rows_and_counts_labels_inside(tiny_target, tmp_path):
@@ -349,7 +349,8 @@ def test_mtp_recipe_over_a_draft_vocabulary_reads_those_rows_and_counts_labels_i
     full = mtp_loss(tokens, final, modules, tiny_target.embed,
                     lambda h: tiny_target.logits(h).masked_fill(~torch.isin(torch.arange(V), vocab), -1e9),
                     tiny_target.rotary, mask & torch.isin(tokens, vocab))  # labels 5 and 6 are outside: not counted
-    assert r.mtp_ce == pytest.approx(full.mtp_ce, rel=1e-5) and r.mtp_acc == pytest.approx(full.mtp_acc)
+    assert r.mtp_ce.tolist() == pytest.approx(full.mtp_ce.tolist(), rel=1e-5)
+    assert r.mtp_acc.tolist() == pytest.approx(full.mtp_acc.tolist())
     for bad, err in ((dict(loss="mse"), ValueError), (dict(draft_vocab=4), ValueError),
                      (dict(token_map=[1, 2]), TypeError), (dict(token_map="x", draft_vocab="4"), TypeError)):
         with pytest.raises(err):
@@ -412,10 +413,10 @@ def test_metadata_file_has_its_fields(tiny_target, tmp_path, cache):
 # --- the Hydra entry point -----------------------------------------------------------------------------
 
 def _entry():
-    """experiments/train.py as a module (importing it registers ``train_schema``)."""
+    """experiments/run.py as a module (importing it registers ``train/train_schema``)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("specdec_experiments_train", ROOT / "experiments" / "train.py")
+    spec = importlib.util.spec_from_file_location("specdec_experiments_run_train", ROOT / "experiments" / "run.py")
     assert spec is not None and spec.loader is not None
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
@@ -423,15 +424,29 @@ def _entry():
 
 
 def compose_train(name: str, overrides: list[str] = ()) -> TrainConfig:
-    """``experiments/train.py --config-name <name> <overrides>``'s config, without running it."""
+    """``experiments/run.py --config-name train/<name> <overrides>``'s config, without running it."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     entry = _entry()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return entry.to_train_config(compose(config_name=name, overrides=list(overrides)))
+        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+            return entry.to_train_config(compose(config_name=f"train/{name}", overrides=list(overrides)))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def compose_lab(name: str, overrides: list[str]):
+    """A lab preset's function and checked parameters (``experiments/run.py --config-name <name> ...``), not run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    entry = _entry()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+            return entry.lab_job(compose(config_name=name, overrides=list(overrides)))
     finally:
         GlobalHydra.instance().clear()
 
@@ -459,12 +474,12 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
     assert record.steps > 0 and record.held_out["accept"] and record.config
     assert subprocess.run(["git", "cat-file", "-e", f"{record.revision}^{{commit}}"], cwd=ROOT).returncode == 0
     command = record.equivalent_command or record.command
-    prefix = "python experiments/train.py --config-name "
+    prefix = "python experiments/run.py --config-name train/"
     reads = None  # the folder the next command's init= names: the one the command before it writes
     chain = [*record.remake_first, command]
-    if chain[0].startswith("python -m specdec.data.store "):  # a store-trained chain: the store's command first
-        store = shlex.split(chain[0])
-        assert f"data.store={store[store.index('--out') + 1]}" in chain[1]  # the first part reads that store
+    if chain[0].startswith("python experiments/run.py --config-name lab/store "):  # a store-trained chain: the store's first
+        fn, params = compose_lab("lab/store", shlex.split(chain[0])[4:])  # the store mode takes every key
+        assert fn.__name__ == "fill" and f"data.store={params['out']}" in chain[1]  # the first part reads that store
         chain = chain[1:]
     for i, part in enumerate(chain):
         assert part.startswith(prefix)  # the one trainer's command for this recipe
@@ -477,7 +492,7 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
 
 def test_entry_point_trains_and_records_its_command(tmp_path):
     path = random_data(tmp_path / "d.safetensors")
-    args = ["experiments/train.py", "--config-name", "smollm2_eagle3", "target.model=tiny", "data.source=distill",
+    args = ["experiments/run.py", "--config-name", "train/smollm2_eagle3", "target.model=tiny", "data.source=distill",
             f"data.path={path}", "data.held_out_every=4", "options.draft_vocab=16", "options.layer_ids=[0,1,2]",
             "optim.steps=2", f"out={tmp_path / 'out'}", f"work={tmp_path / 'work'}"]
     env = {**os.environ, "SPECDEC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
@@ -486,7 +501,7 @@ def test_entry_point_trains_and_records_its_command(tmp_path):
     record = TrainingRecord.read(tmp_path / "out")
     assert record.command == shlex.join(["python", *args])
     assert record.config["target"]["model"] == "tiny" and record.steps == 2
-    assert (tmp_path / "work" / "train.log").exists()  # Hydra's log beside the resumable state
+    assert (tmp_path / "work" / "run.log").exists()  # Hydra's log (the runner's) beside the resumable state
     assert not any(p.name.startswith(".") for p in (tmp_path / "out").iterdir())
 
 
@@ -594,42 +609,6 @@ def test_self_distill_is_the_targets_greedy_output_and_caches(smollm2, tmp_path)
     torch.testing.assert_close(smollm2.logits(f["final"])[0], out.logits[0])
 
 
-def test_learning_curves_report_reads_every_runs_held_out_points(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("learning_curves", ROOT / "experiments" / "benchmarks" / "learning_curves.py")
-    curves = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(curves)
-    assert curves.mal([0.5, 0.5, 0.5, 0.5, 0.5], 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
-    assert curves.mal([0.4], 4) == pytest.approx(1.4)  # a one-position drafter: its natural length
-    for family, first in (("eagle3", 0.3), ("mtp", 0.1)):
-        (tmp_path / "runs" / family).mkdir(parents=True)
-        log = [{"step": s, "tokens": 1000 * s, "response_tokens": 700 * s, "seconds": 10.0 * s,
-                "held_out": {"accept": [first * s, first * s / 2]}} for s in (1, 2)]
-        (tmp_path / "runs" / family / RECORD_FILE).write_text(json.dumps(
-            {"command": f"python experiments/train.py --config-name smollm2_{family}", "wall_seconds": 20.0,
-             "log": [{"step": 1, "loss": 1.0}, *log]}))
-    for job, temperature in (("0_sampling=greedy", 0.0), ("1_sampling=sample", 1.0)):  # the decoding sweep
-        (tmp_path / "sweep" / job).mkdir(parents=True)
-        (tmp_path / "sweep" / job / "config.json").write_text(json.dumps({"config": {"sampling": {"temperature": temperature}}}))
-        (tmp_path / "sweep" / job / "summary.json").write_text(json.dumps({
-            "ar": {"drafter": None, "requests": 2, "mean_accepted_length": 1.0},
-            "eagle3 k=4": {"drafter": "eagle3", "requests": 2, "new_tokens": 96, "mean_accepted_length": 1.3 + temperature,
-                           "acceptance_at": [0.25, 0.05, 0.0, 0.0], "speedup": 0.7, "identical_to_baseline": 2}}))
-    args = curves.argparse.Namespace(runs=str(tmp_path / "runs"), families=("eagle3", "dflash", "mtp"),
-                                     out=str(tmp_path / "out" / "curves"), decoded=str(tmp_path / "sweep"))
-    curves.report(args)
-    data = json.loads((tmp_path / "out" / "curves.json").read_text())
-    assert list(data) == ["eagle3", "mtp", "decoded"] and [p["response_tokens"] for p in data["eagle3"][:-1]] == [700, 1400]
-    assert data["eagle3"][1]["mal4"] == pytest.approx(1 + 0.6 + 0.6 * 0.3, abs=1e-3)
-    assert [(d["temperature"], d["method"], d["mean_accepted_length"]) for d in data["decoded"]] == [
-        (0.0, "eagle3 k=4", 1.3), (1.0, "eagle3 k=4", 2.3)]  # the autoregressive baselines are not methods
-    table = (tmp_path / "out" / "curves.md").read_text()
-    assert "| eagle3 | 1,400 |" in table and "smollm2_mtp" in table and (tmp_path / "out" / "curves.png").stat().st_size
-    assert "| 0 | eagle3 k=4 | 1.30 | 0.25 0.05 0.00 0.00 | 0.70x | 2/2 |" in table
-    assert "| 1 | eagle3 k=4 | 2.30 | 0.25 0.05 0.00 0.00 | 0.70x | – |" in table
-
-
 def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
     from specdec.training.trainer import _resumable
 
@@ -638,3 +617,81 @@ def test_a_run_resumes_when_its_recipe_gained_an_option_at_its_default():
     new = TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": False})
     assert _resumable(old) == _resumable(new)
     assert _resumable(old) != _resumable(TrainConfig(**base, options={"draft_vocab": 64, "fc_norm": True}))
+
+
+def test_training_runs_torch_kernels_only_and_counts_every_loss_position(tmp_path, cache, tiny_target, monkeypatch):
+    """Triton forced on CPU tensors is an error, so a run under SPECDEC_KERNELS=triton finishes only
+    because the trainer runs torch code throughout (its held-out evaluation, under no_grad, would
+    take the fused draft input's kernel path). EAGLE-3 trains every response position: the record
+    counts them, per target token and in all, and the log's figures are read to plain numbers."""
+    from specdec.kernels.dispatch import backend_for
+
+    monkeypatch.setenv("SPECDEC_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError):
+        backend_for(torch.zeros(1))
+    cfg = tiny_config(tmp_path, "eagle3", options=dict(layer_ids=[0, 1, 2], draft_vocab=24))
+    rec = train(cfg, target=tiny_target).record
+    data = load_data(cfg.data, None)
+    drawn = [data.train[i] for i in data.indices(0, 4, cfg.seed)]  # 2 steps of 2 sequences
+    assert rec.positions == sum(s.tokens.numel() - 2 - max(0, s.response_start - 2) + 1 for s in drawn)
+    every = sum(s.tokens.numel() - 1 - max(0, s.response_start - 2) for s in data.train)
+    assert rec.positions_per_token == pytest.approx(every / sum(s.tokens.numel() for s in data.train), abs=1e-4)
+    logged = [e for e in rec.log if "loss" in e]
+    assert [e["step"] for e in logged] == [1, 2] and all(isinstance(e["loss"], float) for e in logged)
+    assert all(len(e["accept"]) == 7 and isinstance(e["accept"][0], float) for e in logged)
+
+
+@pytest.mark.parametrize("kl", [False, True], ids=["ce", "kl"])
+def test_mtp_loss_on_the_label_rows_alone_is_the_same_loss(tiny_target, kl):
+    """The recipe's path (``host_mask``: the head and the target's distribution on the label rows
+    only, indices found on the host) gives the plain path's loss, figures and gradients."""
+    from specdec.drafters.mtp.train import label_rows, mtp_loss
+
+    drafter = DRAFTERS["mtp"].tiny(tiny_target, depth=2)
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, V, (3, 12), generator=g)
+    lengths, start = torch.tensor([12, 7, 10]), torch.tensor([4, 0, 9])
+    final = target_features(tiny_target, tokens, ())["final"]
+    vocab = torch.arange(0, V, 2)
+    index = torch.full((V,), -1)
+    index[vocab] = torch.arange(vocab.numel())
+    head = tiny_target.lm_head.weight.detach().float()[vocab]
+    args = (tokens, final, drafter.modules, tiny_target.embed, lambda h: torch.nn.functional.linear(h, head),
+            tiny_target.rotary, label_rows(lengths, start, 12))
+    kw = dict(kl=kl, vocab_index=None if kl else index)
+    plain, rows = mtp_loss(*args, **kw), mtp_loss(*args, **kw, host_mask=label_rows(lengths, start, 12))
+    torch.testing.assert_close(rows.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows.mtp_ce, plain.mtp_ce, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rows.mtp_acc, plain.mtp_acc)
+    params = [p for p in drafter.modules.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(rows.loss, params, allow_unused=True),
+                    torch.autograd.grad(plain.loss, params, allow_unused=True)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+
+
+def test_gemma_assistant_head_on_the_real_anchors_alone_is_the_same_loss(tiny_target, tmp_path, cache):
+    """Dense anchors pad short rows; the recipe's head runs on the real anchors only (``rows``, found
+    on the host) and gives the loss, figures and gradients of the head over every padded anchor."""
+    from specdec.drafters.gemma_mtp.train import response_anchors, unrolled_loss
+
+    cfg = tiny_config(tmp_path, "gemma_mtp", options=dict(hidden=16, intermediate=32, anchors=0))
+    recipe = load_recipe(cfg.recipe, cfg.options)
+    data = load_data(cfg.data, tiny_target, lambda t: recipe.featurize(tiny_target, t), recipe.feature_key(tiny_target))
+    torch.manual_seed(0)
+    model = recipe.build(tiny_target, data)
+    batch = data.batch(data.train[:3])
+    anchors, keep, rows = response_anchors(batch, 0, 3, torch.Generator())
+    assert 0 < rows.numel() < keep.numel()  # every position of each row's range, short rows padded
+    embed = lambda ids: tiny_target.embed(ids).float()  # noqa: E731
+    fast, fast_acc = unrolled_loss(model, embed, batch, anchors, keep, 3, 0.8, rows)
+    full, full_acc = unrolled_loss(model, embed, batch, anchors, keep, 3, 0.8)
+    torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast_acc, full_acc)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for a, b in zip(torch.autograd.grad(fast, params, allow_unused=True), torch.autograd.grad(full, params, allow_unused=True)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))

@@ -150,8 +150,8 @@ def test_checkpoints_by_name_and_clear_errors_for_missing_ones(target, tmp_path)
     recorded = uncommitted_checkpoints()  # kept as training.json only: the size budget
     assert recorded and not set(recorded) & set(committed)
     name, (command, out) = next(iter(recorded.items()))
-    assert "experiments/train.py" in command and out.endswith(name)
-    with pytest.raises(FileNotFoundError, match=f"is not committed .* make it, from the repository root, with: .*train.py.*{out}"):
+    assert "experiments/run.py --config-name train/" in command and out.endswith(name)
+    with pytest.raises(FileNotFoundError, match=f"is not committed .* make it, from the repository root, with: .*train/.*{out}"):
         resolve_checkpoint(name)
     with pytest.raises(FileNotFoundError, match="is not committed"):  # by its folder's path, as the configs name it
         resolve_checkpoint(committed["smollm2-135m-eagle3"].parent / name)

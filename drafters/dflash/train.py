@@ -45,7 +45,7 @@ from specdec.data.store import StoreNeeds
 from specdec.target import Target, layer_output_ids
 from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import (Recipe, StepOutput, batch_anchors, copy_weights, forward_kl, head_rows,
-                                     masked_mean)
+                                     masked_mean, span_positions)
 
 __all__ = ["BlockBatch", "BlockPredictions", "sample_anchors", "block_forward", "block_predictions", "block_loss",
            "target_distribution", "BlockOptions", "DFlashOptions", "BlockRecipe", "DFlashRecipe"]
@@ -63,10 +63,15 @@ class BlockBatch:
 
 
 def sample_anchors(batch: BlockBatch, num_anchors: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]``, sorted;
+    """Up to ``num_anchors`` distinct anchors per row in ``[response_start, length−2]`` (0: every one), sorted;
     returns anchors [B, A] and which are real [B, A], on the batch's device (drawn on the generator's)."""
-    return batch_anchors(batch.response_start, batch.lengths, num_anchors, gen,
-                         lambda start, length: (start, length - 2), device=batch.tokens.device)  # a label after it
+    return batch_anchors(batch.response_start, batch.lengths, num_anchors, gen, anchor_span,
+                         device=batch.tokens.device)
+
+
+def anchor_span(start: Tensor, length: Tensor) -> tuple[Tensor, Tensor]:
+    """Where a block may start: in the response, with a label after it. ([B], [B])"""
+    return start, length - 2
 
 
 def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
@@ -81,9 +86,12 @@ def _block_mask(anchors: Tensor, keep: Tensor, T: int, b: int) -> Tensor:
 
 
 def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, anchors: Tensor,
-                  keep: Tensor) -> tuple[Tensor, Tensor]:
-    """Every anchor's block in one masked forward: final hidden [B, A, b, D] and the block
-    tokens [B, A, b] (``[x_a, MASK…]``)."""
+                  keep: Tensor, group: int = 0) -> tuple[Tensor, Tensor]:
+    """Every anchor's block: final hidden [B, A, b, D] and the block tokens [B, A, b] (``[x_a, MASK…]``).
+    The context K/V are computed once; the blocks run ``group`` at a time (0: all in one forward).
+    Blocks never see each other, so grouping changes nothing but the cost: one forward's mask is
+    [A·b, T + A·b], so attention grows with A² in one forward and with A·group in groups (every
+    response position as an anchor costs per block what 32 sampled ones do)."""
     b, (B, T), A = model.cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
     positions = (anchors.unsqueeze(-1) + torch.arange(b, device=dev)).view(B, A * b)
@@ -92,7 +100,10 @@ def block_forward(model: BlockDraftModel, embed: Embed, batch: BlockBatch, ancho
     block = embed(block_tokens.view(B, A * b)).float()
     ctx = model.project_context(batch.features.float())
     ctx_kv = model.context_kv(ctx, torch.arange(T, device=dev).expand(B, T))
-    hidden = model(block, positions, ctx_kv, _block_mask(anchors, keep, T, b))
+    G = A if group <= 0 else group
+    hidden = torch.cat([model(block[:, g * b: (g + G) * b], positions[:, g * b: (g + G) * b], ctx_kv,
+                              _block_mask(anchors[:, g: g + G], keep[:, g: g + G], T, b))
+                        for g in range(0, A, G)], 1)
     return hidden.view(B, A, b, -1), block_tokens
 
 
@@ -110,14 +121,14 @@ class BlockPredictions:
 
 
 def block_predictions(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor,
-                      keep: Tensor, gamma: float = 4.0, vocab: Tensor | None = None) -> BlockPredictions:
+                      keep: Tensor, gamma: float = 4.0, vocab: Tensor | None = None, group: int = 0) -> BlockPredictions:
     """Every anchor's block in one forward, with labels. ``head`` [S, D] holds the target's LM-head
     rows of the training vocabulary ``vocab`` [S] (token ids; None: ``head`` is the whole
     vocabulary). Labels outside the vocabulary are left out of the loss."""
     cfg = model.cfg
     b, (B, T), A = cfg.block_size, batch.tokens.shape, anchors.shape[1]
     dev = batch.features.device
-    hidden, block_tokens = block_forward(model, embed, batch, anchors, keep)
+    hidden, block_tokens = block_forward(model, embed, batch, anchors, keep, group)
     first = 0 if cfg.anchor_predicts else 1  # which block positions draft
     h = hidden[:, :, first:]
     n_draft = b - first
@@ -141,10 +152,10 @@ def weighted_ce(p: BlockPredictions, logits: Tensor) -> Tensor:
     return masked_mean(ce, p.weight, 1e-6)
 
 
-def per_position(values: Tensor, valid: Tensor) -> list[float]:
-    """Mean of ``values`` [B, A, γ] over the valid entries, per position."""
+def per_position(values: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``values`` [B, A, γ] over the valid entries, per position. [γ], on the device"""
     v = valid.float()
-    return ((values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)).tolist()
+    return (values * v).sum((0, 1)) / v.sum((0, 1)).clamp(min=1)
 
 
 def target_distribution(p: BlockPredictions, batch: BlockBatch, head: Tensor) -> Tensor:
@@ -159,19 +170,19 @@ def target_distribution(p: BlockPredictions, batch: BlockBatch, head: Tensor) ->
 
 
 def block_loss(model: BlockDraftModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
-               gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False) -> StepOutput:
+               gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False, group: int = 0) -> StepOutput:
     """The DFlash loss over all anchors at once: weighted CE against the sequence's tokens, or with
     ``kl`` forward KL to the target's own distribution there (the sampled answers of a corpus then
     teach the distribution, not one draw of it). ``accept``: the top-1 match rate per position, with
     the sequence's token (CE) or with the target's argmax (KL: what greedy verification accepts)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     if not kl:
         ce = weighted_ce(p, p.logits)
         return StepOutput(ce, {"accept": per_position((p.logits.argmax(-1) == p.labels).float(), p.valid)})
     p_t = target_distribution(p, batch, head)
     div = forward_kl(p.logits, p_t)
     loss = masked_mean(div, p.weight, 1e-6)
-    return StepOutput(loss, {"kl": float(loss.detach()),
+    return StepOutput(loss, {"kl": loss.detach(),
                              "accept": per_position((p.logits.argmax(-1) == p_t.argmax(-1)).float(), p.valid)})
 
 
@@ -182,8 +193,9 @@ class BlockOptions:
     features: int = 3  # target layers read (evenly spaced 1..L-3)
     block: int = 8  # block size (DFlash drafts block − 1 tokens, DSpark block)
     gamma: float = 4.0  # loss decay exp(−(k−1)/γ)
-    anchors: int = 32  # anchors per sequence and step
-    eval_anchors: int = 64  # anchors per held-out sequence
+    anchors: int = 32  # anchors (blocks) per sequence and step; 0: every response position (dense)
+    eval_anchors: int = 64  # anchors per held-out sequence; 0: every one
+    group: int = 32  # blocks per forward (attention grows with anchors × group); 0: all in one
     mask_token_id: int | None = None  # the block's filler token; None: the last id of the vocabulary
     init_std: float = 0.02
 
@@ -253,8 +265,15 @@ class BlockRecipe(Recipe):
     def embed(self, ids: Tensor) -> Tensor:
         return self.target.embed(ids).float()
 
-    def anchors(self, model: nn.Module, bb: BlockBatch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-        return sample_anchors(bb, self.options.anchors if model.training else self.options.eval_anchors, gen)
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        """One first draft per block: a block's position 1 (DFlash), its anchor (DSpark)."""
+        return span_positions(*anchor_span(response_start, lengths), self.options.anchors)
+
+    def anchors(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """The blocks' anchors, drawn from the batch's host-side lengths (no device read)."""
+        lengths, start = batch.on_host()
+        n = self.options.anchors if model.training else self.options.eval_anchors
+        return batch_anchors(start, lengths, n, gen, anchor_span, device=batch.tokens.device)
 
     def save(self, model: nn.Module, out: Path) -> None:
         assert isinstance(model, BlockDraftModel)
@@ -293,6 +312,6 @@ class DFlashRecipe(BlockRecipe):
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, BlockDraftModel)
         bb = self.block_batch(batch)
-        anchors, keep = self.anchors(model, bb, gen)
+        anchors, keep = self.anchors(model, batch, gen)
         return block_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
-                          kl=self.options.loss == "kl")
+                          kl=self.options.loss == "kl", group=self.options.group)

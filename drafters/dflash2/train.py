@@ -53,9 +53,9 @@ def _weighted(values: Tensor, weight: Tensor) -> Tensor:
 
 def dflash2_loss(model: DFlash2Model, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
                  gamma: float = 4.0, vocab: Tensor | None = None, kl: bool = False,
-                 selector_weight: float = 1.0) -> StepOutput:
+                 selector_weight: float = 1.0, group: int = 0) -> StepOutput:
     """DFlash's loss plus the selector's over all anchors at once (see the module docstring)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     p_t = target_distribution(p, batch, head) if kl else None
     base = _weighted(forward_kl(p.logits, p_t), p.weight) if p_t is not None else weighted_ce(p, p.logits)
     K = min(model.cfg.selector_top_k, p.logits.shape[-1])
@@ -76,7 +76,7 @@ def dflash2_loss(model: DFlash2Model, embed: Embed, head: Tensor, batch: BlockBa
         sel = _weighted(forward_kl(s, t / mass.clamp(min=1e-30)), w)
         truth = p_t.argmax(-1)
     pick = cand.gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
-    metrics: dict[str, Any] = {"base": float(base.detach()), "selector": float(sel.detach()),
+    metrics: dict[str, Any] = {"base": base.detach(), "selector": sel.detach(),
                                "accept": per_position((pick == truth).float(), p.valid),
                                "accept_unary": per_position((p.logits.argmax(-1) == truth).float(), p.valid),
                                "in_top_k": per_position(present.float(), p.valid)}
@@ -116,6 +116,7 @@ class DFlash2Recipe(DFlashRecipe):
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, DFlash2Model)
         bb = self.block_batch(batch)
-        anchors, keep = self.anchors(model, bb, gen)
+        anchors, keep = self.anchors(model, batch, gen)
         return dflash2_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
-                            kl=self.options.loss == "kl", selector_weight=self.options.selector_weight)
+                            kl=self.options.loss == "kl", selector_weight=self.options.selector_weight,
+                            group=self.options.group)

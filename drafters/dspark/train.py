@@ -42,11 +42,12 @@ __all__ = ["dspark_loss", "DSparkOptions", "DSparkRecipe"]
 
 def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatch, anchors: Tensor, keep: Tensor,
                 gamma: float = 4.0, vocab: Tensor | None = None, ce_alpha: float = 0.1, l1_alpha: float = 0.9,
-                conf_alpha: float = 1.0) -> tuple[StepOutput, Tensor | None, Tensor]:
+                conf_alpha: float = 1.0, group: int = 0) -> tuple[StepOutput, Tensor | None, Tensor, Tensor]:
     """The DSpark loss over all anchors at once; ``accept`` is the mean soft acceptance per position.
-    Also returns, for calibration, the confidence logits and realised acceptances of the blocks
-    whose every position has a label ([N, γ] each, detached; logits None without a confidence head)."""
-    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab)
+    Also returns, for calibration, the confidence logits and realised acceptances of every block
+    ([B, A, γ] each, detached; logits None without a confidence head) and which blocks have a label
+    at every position ([B, A]): the caller selects (a boolean selection would read the device)."""
+    p = block_predictions(model, embed, head, batch, anchors, keep, gamma, vocab, group)
     logits = p.logits
     bias = model.draft_bias(p.prev, p.hidden, vocab)
     if bias is not None:
@@ -57,17 +58,16 @@ def dspark_loss(model: DSparkModel, embed: Embed, head: Tensor, batch: BlockBatc
     l1 = masked_mean(tv, p.weight, 1e-6)
     accept = (1 - 0.5 * tv).clamp(0, 1)
     loss = ce_alpha * ce + l1_alpha * l1
-    metrics: dict[str, Any] = {"ce": float(ce.detach()), "l1": float(l1.detach())}
+    metrics: dict[str, Any] = {"ce": ce.detach(), "l1": l1.detach()}
     conf_logits = model.confidence_logits(p.hidden, p.prev)
     if conf_logits is not None:
         bce = masked_mean(F.binary_cross_entropy_with_logits(conf_logits, accept.detach(), reduction="none"), p.weight,
                           1e-6)
         loss = loss + conf_alpha * bce
-        metrics["bce"] = float(bce.detach())
-    full = p.valid.all(-1)  # blocks whose every position has a label: calibration data
+        metrics["bce"] = bce.detach()
     metrics["accept"] = per_position(accept.detach(), p.valid)
-    return (StepOutput(loss, metrics), None if conf_logits is None else conf_logits.detach()[full],
-            accept.detach()[full])
+    return (StepOutput(loss, metrics), None if conf_logits is None else conf_logits.detach(), accept.detach(),
+            p.valid.all(-1))
 
 
 @dataclass
@@ -88,11 +88,13 @@ class DSparkRecipe(BlockRecipe):
         o = self.options
         return dict(markov_rank=o.markov_rank, markov_head_type=o.markov_type, enable_confidence_head=o.confidence_head)
 
-    def _loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> tuple[StepOutput, Tensor | None, Tensor]:
+    def _loss(self, model: nn.Module, batch: Batch, gen: torch.Generator
+              ) -> tuple[StepOutput, Tensor | None, Tensor, Tensor]:
         assert isinstance(model, DSparkModel)
         bb = self.block_batch(batch)
-        anchors, keep = self.anchors(model, bb, gen)
-        return dspark_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab)
+        anchors, keep = self.anchors(model, batch, gen)
+        return dspark_loss(model, self.embed, self.head, bb, anchors, keep, self.options.gamma, self.vocab,
+                           group=self.options.group)
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         return self._loss(model, batch, gen)[0]
@@ -107,7 +109,9 @@ class DSparkRecipe(BlockRecipe):
         model.eval()
         found = [self._loss(model, b.to(dev), gen)[1:] for b in data.scan("held", batch=8)]
         model.train()
-        z, c = torch.cat([f[0] for f in found if f[0] is not None]), torch.cat([f[1] for f in found])
+        # the blocks whose every position has a label: calibration data
+        z = torch.cat([f[0][f[2]] for f in found if f[0] is not None])
+        c = torch.cat([f[1][f[2]] for f in found])
         if not z.shape[0]:
             return {}
         temps = calibrate_temperatures(z, c)

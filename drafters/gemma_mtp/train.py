@@ -29,24 +29,34 @@ from specdec.drafters.gemma_mtp.drafter import assistant_config, kv_source_layer
 from specdec.data.store import StoreNeeds, target_kv
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData, target_features
-from specdec.training.recipe import Recipe, StepOutput, batch_anchors, copy_weights, masked_mean
+from specdec.training.recipe import Recipe, StepOutput, batch_anchors, copy_weights, masked_mean, span_positions
 
 __all__ = ["target_kv", "response_anchors", "unrolled_loss", "GemmaMTPOptions", "GemmaMTPRecipe"]
 
 
-def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Up to ``num`` distinct anchors per row in ``[response_start, length − unroll − 1]`` (every
-    unrolled label and the token after it exist), sorted; anchors [B, A] and which are real [B, A],
-    on the batch's device (drawn on the generator's)."""
-    return batch_anchors(batch.response_start, batch.lengths, num, gen,
-                         lambda start, length: (max(1, start), length - unroll - 1),
-                         pad=1, device=batch.tokens.device)  # padding anchors: any position with a hidden before it
+def response_anchors(batch: Batch, num: int, unroll: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Up to ``num`` distinct anchors (0: every one) per row in ``[response_start, length − unroll − 1]`` (every
+    unrolled label and the token after it exist), sorted; anchors [B, A], which are real [B, A] and
+    the flat indices of the real ones [R], on the batch's device (drawn on the generator's, from the
+    batch's host-side lengths: no device read)."""
+    lengths, start = batch.on_host()
+    anchors, keep = batch_anchors(start, lengths, num, gen, lambda s, n: anchor_span(s, n, unroll),
+                                  pad=1)  # padding anchors: any position with a hidden before it
+    dev = batch.tokens.device
+    return anchors.to(dev), keep.to(dev), keep.flatten().nonzero().squeeze(1).to(dev)
 
 
-def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor], batch: Batch, anchors: Tensor, keep: Tensor, unroll: int,
-                  decay: float = 0.8) -> tuple[Tensor, list[float]]:
+def anchor_span(start: Tensor, length: Tensor, unroll: int) -> tuple[Tensor, Tensor]:
+    """Where an anchor may lie: in the response, after a hidden state, with every unrolled label after it."""
+    return start.clamp(min=1), length - unroll - 1
+
+
+def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor], batch: Batch, anchors: Tensor,
+                  keep: Tensor, unroll: int, decay: float = 0.8, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The unrolled loss over ``anchors`` [B, A] (``keep`` marks the real ones); returns the loss
-    and the top-1 accuracy per step (over positions whose text agrees with the target so far).
+    and the top-1 accuracy per step [unroll] (over positions whose text agrees with the target so far),
+    on the device. ``rows`` [R]: the flat indices of the real anchors; the head and its softmax over
+    the whole vocabulary then run on those alone (the same loss, no cost for padding).
     ``batch.features``: ``final`` [B, T, D], ``argmax`` [B, T], ``k.<type>``/``v.<type>`` [B, T, H, d]."""
     f, tokens = batch.features, batch.tokens
     T = tokens.shape[1]
@@ -63,13 +73,16 @@ def unrolled_loss(assistant: PreTrainedModel, embed: Callable[[Tensor], Tensor],
         # output_hidden_states keeps transformers from slicing the (independent) queries as a sequence
         y = assistant.model(inputs_embeds=x, attention_mask={t: mask for t in kv}, position_ids=anchors,
                             shared_kv_states=kv, use_cache=False, output_hidden_states=True).last_hidden_state
-        logits = assistant.lm_head(y).float()
-        ce = F.cross_entropy(logits.flatten(0, 1), label.flatten(), reduction="none").view(label.shape)
-        total = total + decay ** j * masked_mean(ce, agree)
-        accs.append(float(masked_mean((logits.argmax(-1) == label).float(), agree)))
+        yr, lab, ag = y.flatten(0, 1), label.flatten(), agree.flatten()
+        if rows is not None:
+            yr, lab, ag = yr.index_select(0, rows), lab.index_select(0, rows), ag.index_select(0, rows)
+        logits = assistant.lm_head(yr).float()
+        ce = F.cross_entropy(logits, lab, reduction="none")
+        total = total + decay ** j * masked_mean(ce, ag)
+        accs.append(masked_mean((logits.argmax(-1) == lab).float(), ag).detach())
         h, x_tok = assistant.post_projection(y), label
         agree = agree & (tokens.gather(1, (anchors + j + 1).clamp(max=T - 1)) == label)
-    return total, accs
+    return total, torch.stack(accs)
 
 
 @dataclass
@@ -77,7 +90,7 @@ class GemmaMTPOptions:
     hidden: int = 128  # assistant hidden size
     intermediate: int = 512  # assistant MLP width
     unroll: int = 3  # draft steps trained per anchor
-    anchors: int = 64  # anchors per sequence and step
+    anchors: int = 0  # anchors per sequence and step; 0: every response position (dense)
     decay: float = 0.8  # step j weighs decay**j
 
 
@@ -106,12 +119,15 @@ class GemmaMTPRecipe(Recipe):
         config = assistant_config(target, hidden_size=self.options.hidden, intermediate_size=self.options.intermediate)
         return AutoModelForCausalLM.from_config(config)
 
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        return span_positions(*anchor_span(response_start, lengths, self.options.unroll), self.options.anchors)
+
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, PreTrainedModel)
         o = self.options
-        anchors, keep = response_anchors(batch, o.anchors, o.unroll, gen)
+        anchors, keep, rows = response_anchors(batch, o.anchors, o.unroll, gen)
         loss, accs = unrolled_loss(model, lambda ids: self.target.embed(ids).float(), batch, anchors, keep, o.unroll,
-                                   o.decay)
+                                   o.decay, rows)
         return StepOutput(loss, {"accept": accs})
 
     def save(self, model: nn.Module, out: Path) -> None:

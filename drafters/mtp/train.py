@@ -38,7 +38,7 @@ from specdec.training.data import Batch, TrainData, target_features
 from specdec.training.recipe import Recipe, StepOutput, copy_weights, forward_kl, head_rows, masked_mean
 from specdec.validate import as_int
 
-__all__ = ["MTPLoss", "mtp_loss", "label_mask", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
+__all__ = ["MTPLoss", "mtp_loss", "label_mask", "depth1_positions", "PostHocMTPOptions", "PostHocMTPRecipe", "JointMTPOptions",
            "JointMTPRecipe", "TINY_DEEPSEEK_V3"]
 
 # Sized so that bf16 weights (main + 2 MTP modules) stay well under 30 MB: ~8.5M parameters.
@@ -56,35 +56,41 @@ Fn = Callable[[Tensor], Tensor]
 @dataclass
 class MTPLoss:
     loss: Tensor
-    main_ce: float
-    mtp_ce: list[float]  # per depth (the KL under ``kl``)
-    main_acc: float
-    mtp_acc: list[float]  # top-1 accuracy per depth (agreement with the target's argmax under ``kl``)
+    main_ce: Tensor  # 0-d, detached, on the device (0 without a main loss)
+    mtp_ce: Tensor  # [D] per depth (the KL under ``kl``)
+    main_acc: Tensor
+    mtp_acc: Tensor  # [D] top-1 accuracy per depth (agreement with the target's argmax under ``kl``)
 
 
 def label_mask(batch: Batch) -> Tensor:
     """Which tokens count as labels [B, T]: inside the row and in the response (all of plain text)."""
-    pos = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).unsqueeze(0)
-    return (pos < batch.lengths.unsqueeze(1)) & (pos >= batch.response_start.unsqueeze(1))
+    return label_rows(batch.lengths, batch.response_start, batch.tokens.shape[1])
 
 
-def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+def label_rows(lengths: Tensor, response_start: Tensor, T: int) -> Tensor:
+    """:func:`label_mask` from the lengths and response starts, on their device (the host's: no device read)."""
+    pos = torch.arange(T, device=lengths.device).unsqueeze(0)
+    return (pos < lengths.unsqueeze(1)) & (pos >= response_start.unsqueeze(1))
+
+
+def _ce(logits: Tensor, labels: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked mean cross-entropy and top-1 accuracy of logits [B, n, V] against labels [B, n]."""
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(labels.shape)
-    return masked_mean(ce, mask), float(masked_mean((logits.argmax(-1) == labels).float(), mask))
+    logits = logits.float()  # one copy for the loss and the argmax (a bf16 argmax is the slower on a CPU)
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    return masked_mean(ce, mask), masked_mean((logits.argmax(-1) == labels).float(), mask).detach()
 
 
-def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, float]:
+def _kl(logits: Tensor, p: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """Masked mean forward KL(p ‖ softmax(logits)) over [B, n, V], and how often the two argmaxes
     agree (what greedy verification accepts)."""
     kl = forward_kl(logits, p)
-    return masked_mean(kl, mask), float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), mask))
+    return masked_mean(kl, mask), masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), mask).detach()
 
 
 def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, head: Fn,
              rotary: Callable[[Tensor, Tensor], Any], mask: Tensor, lam: float = 0.3,
              main_logits: Tensor | None = None, chain_hidden: str = "normed", kl: bool = False,
-             vocab_index: Tensor | None = None) -> MTPLoss:
+             vocab_index: Tensor | None = None, host_mask: Tensor | None = None) -> MTPLoss:
     """DeepSeek-V3's main + MTP loss on ``tokens`` [B, T] whose post-norm final hidden state is
     ``hidden`` [B, T, D]; ``mask`` [B, T] marks the tokens that count as labels. ``main_logits``
     [B, T, V] adds the main CE (None: a frozen target, MTP loss only).
@@ -93,14 +99,16 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
     one slot earlier, not the sequence's token (forward KL, as speculators and SpecForge train
     drafters; the sampled thirds of a corpus then teach the distribution, not one draw of it).
     ``vocab_index`` [V]: where ``head`` gives logits over a draft vocabulary only, each token's
-    place in it (-1 outside); CE labels outside it do not count."""
+    place in it (-1 outside); CE labels outside it do not count. ``host_mask``: ``mask`` on the host;
+    the head (and with ``kl`` the target's distribution) then runs on the label rows only (their
+    indices found on the host, no device read): prompts and padding cost no head, the loss is the same."""
     T, D = hidden.shape[1], len(modules)
     total = hidden.new_zeros((), dtype=torch.float32)
-    main_ce = main_acc = 0.0
+    main_ce = main_acc = total.detach()
     if main_logits is not None:
         ce, main_acc = _ce(main_logits[:, :-1], tokens[:, 1:], mask[:, 1:])
-        total, main_ce = total + ce, float(ce.detach())
-    if kl:  # the target's distribution after every slot, once for all depths
+        total, main_ce = total + ce, ce.detach()
+    if kl and host_mask is None:  # the target's distribution after every slot, once for all depths
         with torch.no_grad():
             target_p = head(hidden).float().softmax(-1)
     prev, ces, accs = hidden, [], []
@@ -109,21 +117,37 @@ def mtp_loss(tokens: Tensor, hidden: Tensor, modules: nn.ModuleList, embed: Fn, 
         pos = torch.arange(d, d + n, device=tokens.device).unsqueeze(0).expand(tokens.shape[0], -1)
         emb = embed(tokens[:, d: d + n])
         residual, normed = module(emb, prev[:, :n], rotary(emb, pos), pos)  # no mask: causal
-        logits, m = head(normed), mask[:, d + 1: d + 1 + n]
+        m, labels = mask[:, d + 1: d + 1 + n], tokens[:, d + 1: d + 1 + n]
+        if host_mask is None:
+            logits = head(normed)
+            p = target_p[:, d: d + n] if kl else None
+        else:  # the label rows alone, as one row of R positions
+            idx = host_mask[:, d + 1: d + 1 + n].flatten().nonzero().squeeze(1).to(tokens.device)
+            logits = head(normed.flatten(0, 1).index_select(0, idx)).unsqueeze(0)
+            labels = labels.flatten().index_select(0, idx).unsqueeze(0)
+            m = torch.ones_like(labels, dtype=torch.bool)
+            if kl:
+                with torch.no_grad():
+                    p = head(hidden[:, d: d + n].flatten(0, 1).index_select(0, idx)).float().softmax(-1).unsqueeze(0)
         if kl:
-            ce, acc = _kl(logits, target_p[:, d: d + n], m)
+            ce, acc = _kl(logits, p, m)
         else:
-            labels = tokens[:, d + 1: d + 1 + n]
             if vocab_index is not None:
                 labels = vocab_index[labels]
                 m = m & (labels >= 0)
                 labels = labels.clamp(min=0)
             ce, acc = _ce(logits, labels, m)
-        ces.append(float(ce.detach()))
+        ces.append(ce.detach())
         accs.append(acc)
         total = total + lam / D * ce
         prev = normed if chain_hidden == "normed" else residual
-    return MTPLoss(total, main_ce, ces, main_acc, accs)
+    return MTPLoss(total, main_ce, torch.stack(ces), main_acc, torch.stack(accs))
+
+
+def depth1_positions(lengths: Tensor, response_start: Tensor) -> Tensor:
+    """MTP's loss positions at depth 1: every label ``t_{i+2}`` in the response (slot ``i`` reads
+    ``t_{i+1}`` and the hidden state at ``i``). [B]"""
+    return (lengths - response_start.clamp(min=2)).clamp(min=0)
 
 
 def _step_output(r: MTPLoss, joint: bool, kl: bool = False) -> StepOutput:
@@ -183,12 +207,16 @@ class PostHocMTPRecipe(Recipe):
             self.vocab_index = vocab_positions(vocab, target.vocab_size)
         return modules
 
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        return depth1_positions(lengths, response_start)
+
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleList)
         t = self.target
         r = mtp_loss(batch.tokens, batch.features["final"].float(), model, lambda ids: t.embed(ids).float(),
                      lambda h: F.linear(h, self.head), t.rotary, label_mask(batch), self.options.lam,
-                     kl=self.options.loss == "kl", vocab_index=self.vocab_index)
+                     kl=self.options.loss == "kl", vocab_index=self.vocab_index,
+                     host_mask=label_rows(*batch.on_host(), batch.tokens.shape[1]))
         return _step_output(r, joint=False, kl=self.options.loss == "kl")
 
     def save(self, model: nn.Module, out: Path) -> None:
@@ -226,6 +254,9 @@ class JointMTPRecipe(Recipe):
         main = DeepseekV3ForCausalLM(config)
         self.tokenizer, self.seam = tok, Target(main)  # the seam of the model being trained (embed, logits, rotary)
         return nn.ModuleDict({"main": main, "mtp": build_mtp_modules(self.seam, self.options.depth).float()})
+
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor:
+        return depth1_positions(lengths, response_start)
 
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         assert isinstance(model, nn.ModuleDict)

@@ -1,5 +1,6 @@
-"""Measurements that are not a decoding question of the runner, one module each, run through one
-thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for each).
+"""The lab's jobs that are not a decoding question, one module each, every one a mode of the one runner:
+``python experiments/run.py --config-name lab/<mode> key=value ...`` (``experiments/conf/lab/<mode>.yaml``
+lists each mode's parameters; ``experiments/run.py``'s ``LAB_MODES`` maps a mode to its function).
 
 - ``acceptance``: a preset's learned drafters' acceptance alone on held-out prompts, no clock.
 - ``step_anatomy``: where one target forward spends its time; each fp32 product per row count.
@@ -7,7 +8,9 @@ thin command: ``python experiments/bench.py <module> [options]`` (``--help`` for
 - ``kernels``: the rejection-sampler kernel against its torch reference.
 - ``compile_kernels``: every Triton kernel compiled for real GPU targets, no GPU needed.
 - ``gpu``: the GPU kit (``make gpu-bench``, docs/gpu.md).
-- ``learning_curves``: every learned drafter trained at equal data and compute, and its curves.
+- ``learning_curves`` (mode ``curves``): every learned family trained from the feature store at equal tokens,
+  each point decoded, and the curves page.
+- ``store_fill`` (mode ``store``): fill (or resume) a target feature store.
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
 - ``eagle3_chain_estimate``: an EAGLE-3 head's training-time estimate against decoding.
 - ``eagle3_serving``: the vLLM / SGLang settings that serve an EAGLE-3 checkpoint.

@@ -1,35 +1,35 @@
 """Acceptance only: a preset's learned drafters on the held-out MT-bench first turns, greedy, no clock.
 
-    python experiments/bench.py acceptance --preset drafters_mtbench --prompts 40 --k 1 4 --out <folder>
+    python experiments/run.py --config-name lab/acceptance preset=drafters_mtbench prompts=40 k=[1,4] out=<folder>
 
-For each method of the preset and each ``--k``, all prompts decode as one batch through the library's
+For each method of the preset and each ``k``, all prompts decode as one batch through the library's
 loop with greedy verification, and the table gives the mean accepted length and the acceptance at
 each draft depth, with whether every output equals autoregressive decoding's. Nothing here reads a
 clock, so the figures are exact on a busy machine (timings come from ``run.py`` with nothing else
 running); more prompts than a timed run can afford make them steadier. Only held-out prompts are
-used: the first ``HELD_OUT["mtbench"]`` questions (``--dataset humaneval``: the first
+used: the first ``HELD_OUT["mtbench"]`` questions (``dataset=humaneval``: the first
 ``HELD_OUT["humaneval"]`` prompts), never trained on.
 
-``--temperature T`` samples instead (request i with seed i, the same in every method), verified by
-``rejection``; with ``--compare-block`` by ``block`` (:class:`specdec.verifiers.BlockVerifier`), which
+``temperature=T`` samples instead (request i with seed i, the same in every method), verified by
+``rejection``; with ``compare_block=true`` by ``block`` (:class:`specdec.verifiers.BlockVerifier`), which
 also computes, on every step's drafts, the exact expected accepted length of block verification and
 of token-wise rejection sampling: a paired comparison of the two verifiers on the same drafts,
 without either verifier's sampling noise::
 
-    python experiments/bench.py acceptance --preset block_vs_rejection --dataset humaneval --temperature 1 \
-        --compare-block --k 2 4 7 --prompts 16 --out <folder>
+    python experiments/run.py --config-name lab/acceptance preset=block_vs_rejection dataset=humaneval \
+        temperature=1 compare_block=true k=[2,4,7] prompts=16 out=<folder>
 
-``--dataset stdlib --context N [N ...]`` asks how acceptance moves with the prompt's length: held-out
+``dataset=stdlib context=[N, ...]`` asks how acceptance moves with the prompt's length: held-out
 standard-library code cut to each N tokens (continued into the next held-out files where one is
 short), one table row per context, method and k::
 
-    python experiments/bench.py acceptance --preset context_length --methods eagle3 eagle3_window dspark \
-        --dataset stdlib --context 128 1024 4000 7500 --prompts 2 --k 4 --max-new-tokens 32 --out <folder>
+    python experiments/run.py --config-name lab/acceptance preset=context_length \
+        methods=[eagle3,eagle3_window,dspark] dataset=stdlib context=[128,1024,4000,7500] prompts=2 k=[4] \
+        max_new_tokens=32 out=<folder>
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from specdec.api import load_target, make_drafter
 from specdec.data.config import DatasetConfig
 from specdec.data.datasets import load_dataset
 from specdec.eval.runner import encode_turn
-from specdec.provenance import git_sha
+from specdec.provenance import command_line, git_sha
 from specdec.sampling import SamplingParams
 from specdec.target import Target
 from specdec.data.datasets import HELD_OUT
@@ -129,62 +129,44 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", required=True, help="an experiments/conf preset whose methods to measure")
-    ap.add_argument("--methods", nargs="*", default=None, help="only these of its methods")
-    ap.add_argument("--prompts", type=int, default=HELD_OUT["mtbench"], help="held-out prompts")
-    ap.add_argument("--dataset", choices=["mtbench", "humaneval", "stdlib"], default="mtbench")
-    ap.add_argument("--context", type=int, nargs="+", default=None,
-                    help="stdlib only: prompt lengths in tokens, one table row per context, method and k")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled, request i seeded i")
-    ap.add_argument("--compare-block", action="store_true",
-                    help="verify with block and compare its expected accepted length with rejection's on the same drafts")
-    ap.add_argument("--k", type=int, nargs="+", default=[4], help="draft lengths")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, required=True, help="folder for acceptance.json and acceptance.md")
-    args = ap.parse_args()
-    methods = preset_methods(args.preset)
-    unknown = sorted(set(args.methods or []) - methods.keys())
+def measure(preset: str, out: str, methods: list[str] | None = None, prompts: int = HELD_OUT["mtbench"],
+            dataset: str = "mtbench", context: list[int] | None = None, temperature: float = 0.0,
+            compare_block: bool = False, k: list[int] = (4,), max_new_tokens: int = 48, threads: int = 1) -> None:
+    """Mode ``acceptance``: each of ``preset``'s methods (or only ``methods``) at each ``k`` on the held-out
+    prompts of ``dataset``; ``acceptance.json`` and ``acceptance.md`` into ``out``."""
+    ks = list(k)
+    found = preset_methods(preset)
+    unknown = sorted(set(methods or []) - found.keys())
     if unknown:
-        raise SystemExit(f"--methods {unknown} are not in preset {args.preset!r} ({sorted(methods)})")
-    methods = {n: m for n, m in methods.items() if not args.methods or n in args.methods}
-    if args.compare_block and args.temperature == 0:
-        raise SystemExit("--compare-block needs --temperature above 0: at temperature 0 both verifiers are the argmax rule")
-    if (args.dataset == "stdlib") != (args.context is not None):
-        raise SystemExit("--context goes with --dataset stdlib, and --dataset stdlib needs --context")
-    if args.context is not None and min(args.context) < 1:
-        raise SystemExit(f"--context must be positive token counts, got {args.context}")
-    target = load_target("smollm2-135m", threads=args.threads)
-    if args.context is None:
-        prompts = held_out_prompts(target, args.prompts, args.dataset)
-        rows = acceptance(target, methods, prompts, args.k, args.max_new_tokens, args.temperature, args.compare_block)
+        raise SystemExit(f"methods {unknown} are not in preset {preset!r} ({sorted(found)})")
+    chosen = {n: m for n, m in found.items() if not methods or n in methods}
+    if dataset not in ("mtbench", "humaneval", "stdlib"):
+        raise SystemExit(f"dataset must be mtbench, humaneval or stdlib, got {dataset!r}")
+    if compare_block and temperature == 0:
+        raise SystemExit("compare_block needs temperature above 0: at temperature 0 both verifiers are the argmax rule")
+    if (dataset == "stdlib") != (context is not None):
+        raise SystemExit("context goes with dataset=stdlib, and dataset=stdlib needs context")
+    if context is not None and min(context) < 1:
+        raise SystemExit(f"context must be positive token counts, got {context}")
+    target = load_target("smollm2-135m", threads=threads)
+    if context is None:
+        asked = held_out_prompts(target, prompts, dataset)
+        rows = acceptance(target, chosen, asked, ks, max_new_tokens, temperature, compare_block)
     else:
         rows = []
-        for n in args.context:
-            prompts = stdlib_prompts(target, args.prompts, n)
-            for row in acceptance(target, methods, prompts, args.k, args.max_new_tokens, args.temperature,
-                                  args.compare_block):
+        for n in context:
+            asked = stdlib_prompts(target, prompts, n)
+            for row in acceptance(target, chosen, asked, ks, max_new_tokens, temperature, compare_block):
                 rows.append(dict(row, context=n))
                 print(markdown(rows[-1:], f"context {n}"), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python experiments/bench.py acceptance " + " ".join(
-        [f"--preset {args.preset}", f"--prompts {args.prompts}", "--k " + " ".join(map(str, args.k)),
-         f"--max-new-tokens {args.max_new_tokens}"] + (["--methods " + " ".join(args.methods)] if args.methods else [])
-        + ([f"--dataset {args.dataset}"] if args.dataset != "mtbench" else [])
-        + (["--context " + " ".join(map(str, args.context))] if args.context else [])
-        + ([f"--temperature {args.temperature:g}"] if args.temperature else [])
-        + (["--compare-block"] if args.compare_block else []))
-    (args.out / "acceptance.json").write_text(json.dumps(dict(command=command, revision=git_sha(), rows=rows), indent=1))
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    command = command_line()
+    (folder / "acceptance.json").write_text(json.dumps(dict(command=command, revision=git_sha(), rows=rows), indent=1))
     what = {"mtbench": "MT-bench first turns", "humaneval": "HumanEval prompts",
-            "stdlib": "standard-library code prompts at each context"}[args.dataset]
-    how = f"temperature {args.temperature:g}, request i seeded i" if args.temperature else "greedy"
-    header = (f"`{command}` (revision {git_sha()[:10]}): smollm2-135m fp32, {len(prompts)} held-out {what} "
-              f"decoded as one batch, {args.max_new_tokens} new tokens, {how}")
-    (args.out / "acceptance.md").write_text(markdown(rows, header))
+            "stdlib": "standard-library code prompts at each context"}[dataset]
+    how = f"temperature {temperature:g}, request i seeded i" if temperature else "greedy"
+    header = (f"`{command}` (revision {(git_sha() or '')[:10]}): smollm2-135m fp32, {len(asked)} held-out {what} "
+              f"decoded as one batch, {max_new_tokens} new tokens, {how}")
+    (folder / "acceptance.md").write_text(markdown(rows, header))
     print(markdown(rows, header))
-
-
-if __name__ == "__main__":
-    main()

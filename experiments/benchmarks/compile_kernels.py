@@ -7,16 +7,14 @@ interpreter has run is at least known to type-check, lower and assemble for the 
 for, with the AMD knobs (``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``) accepted by the
 HIP backend. Nothing is executed. Run from anywhere but the repository root:
 
-    .venv/bin/python experiments/bench.py compile_kernels                  # everything (a few minutes)
-    .venv/bin/python experiments/bench.py compile_kernels --quick          # one config and the widest variant
+    .venv/bin/python experiments/run.py --config-name lab/compile_kernels                  # everything (a few minutes)
+    .venv/bin/python experiments/run.py --config-name lab/compile_kernels quick=true       # one config and the widest variant
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
-import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler
 
@@ -77,16 +75,17 @@ def compile_one(fn, types: dict[str, str], constexprs: dict, config: triton.Conf
     return triton.compile(src, target=target, options=options)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
-    ap.add_argument("--quick", action="store_true", help="one config and the widest variant per kernel")
-    args = ap.parse_args()
+def compile_all(targets: list[str] | None = None, quick: bool = False) -> None:
+    """Mode ``compile_kernels``: every kernel for each of ``targets`` (default: all); ``quick``: one
+    config and the widest variant per kernel. Every failure is printed, then the job fails."""
+    unknown = sorted(set(targets or []) - set(TARGETS))
+    if unknown:
+        raise SystemExit(f"unknown targets {unknown}: {sorted(TARGETS)}")
     print(f"triton {triton.__version__}; compiling, not running (no GPU is needed)")
     failures = 0
-    for arch in args.targets:
+    for arch in targets or list(TARGETS):
         t0, count = now(), 0
-        for name, fn, types, constexprs, configs in kernels(arch, args.quick):
+        for name, fn, types, constexprs, configs in kernels(arch, quick):
             for config in configs:
                 try:
                     binary = compile_one(fn, types, constexprs, config, TARGETS[arch])
@@ -97,8 +96,5 @@ def main() -> int:
                     print(f"FAIL {arch} {name} {constexprs} {config}: {e!r}"[:2000], flush=True)
         print(f"{arch}: {count} kernel binaries in {now() - t0:.0f} s", flush=True)
     print("all compiled" if not failures else f"{failures} failed")
-    return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if failures:
+        raise SystemExit(f"{failures} kernel binaries failed to compile")

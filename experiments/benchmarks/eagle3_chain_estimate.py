@@ -1,6 +1,6 @@
 """An EAGLE-3 head's training-time-test estimate against what decoding accepts, on the same text.
 
-    .venv/bin/python experiments/bench.py eagle3_chain_estimate experiments/checkpoints/smollm2-135m-eagle3
+    .venv/bin/python experiments/run.py --config-name lab/eagle3_chain_estimate checkpoint=experiments/checkpoints/smollm2-135m-eagle3
 
 The target answers held-out MT-bench first turns greedily; the head then drafts chains of ``k``
 through the library's loop (what decoding accepts per depth), and the training-time test scores
@@ -13,7 +13,6 @@ guess, which decoding never reaches.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -56,21 +55,13 @@ def estimates(target: Target, drafter: Eagle3Drafter, prompts: list[list[int]], 
             "chain": (chain / max(anchors, 1)).tolist()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="an EAGLE-3 folder for SmolLM2-135M")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out MT-bench first turns")
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--k", type=int, default=4)
-    args = ap.parse_args()
+def estimate(checkpoint: str, prompts: int = 8, new_tokens: int = 48, k: int = 4) -> None:
+    """Mode ``eagle3_chain_estimate``: the estimates for an EAGLE-3 ``checkpoint`` of SmolLM2-135M on
+    ``prompts`` held-out MT-bench first turns, printed as JSON."""
     torch.set_num_threads(1)
     target = specdec.load_target("smollm2-135m", dtype=torch.float32)
-    samples = load_dataset(DatasetConfig(name="mtbench", num_prompts=args.prompts, turns=1), target.tokenizer)
-    prompts = [specdec.api.encode_messages(target, [{"role": "user", "content": s.turns[0]}], True) for s in samples]
-    drafter = specdec.make_drafter("eagle3", target, checkpoint=args.checkpoint, tree="chain")
-    out = estimates(target, drafter, prompts, args.new_tokens, args.k)
+    samples = load_dataset(DatasetConfig(name="mtbench", num_prompts=prompts, turns=1), target.tokenizer)
+    asked = [specdec.api.encode_messages(target, [{"role": "user", "content": s.turns[0]}], True) for s in samples]
+    drafter = specdec.make_drafter("eagle3", target, checkpoint=checkpoint, tree="chain")
+    out = estimates(target, drafter, asked, new_tokens, k)
     print(json.dumps({name: [round(x, 3) for x in v] for name, v in out.items()}))
-
-
-if __name__ == "__main__":
-    main()

@@ -47,7 +47,7 @@ Sections, in order (``--budget-s`` skips the rest when the next step would not f
    output identical to autoregressive decoding, acceptance, speedup. Every timed run follows the
    same run untimed (kernel compiles and autotuning land there).
 5. **train**: tokens/s of the EAGLE-3 recipe (``experiments/conf/train/smollm2_eagle3.yaml`` with
-   ``experiments/bench.py learning_curves``'s options) through the one trainer, on the committed corpus
+   the learning curves' options, ``experiments/benchmarks/learning_curves.py``) through the one trainer, on the committed corpus
    (``experiments/data/smollm2-135m``, prompts cut to 64 tokens), 350 steps of 32 sequences: 10x
    the 1 120 sequences of the CPU learning-curve runs. SmolLM2-135M's weights cannot travel to the
    GPU machine (no offline model package there, and they exceed the 64 MiB checkout), so the
@@ -88,11 +88,13 @@ ones are dropped rather than the run overrunning; the 120 s left cover a step th
   a 2-layer model, each run twice (untimed, then timed): ~2 000 small steps × ~10 ms of eager
   launches, plus the draft-input GEMM's autotuning for a few M buckets ≈ 30 s.
 - train: the random 135M target (< 1 s, built once) and the corpus (384 sequences, < 1 s, read by
-  each part). A step is 32 sequences × 7 training-time-test steps of a one-layer head, each
-  ~50 small eager ops forward and about as many backward, with two host syncs (``int()`` counts):
-  ~20 000 launches, plus a 30-layer feature forward over 32 × ~330 tokens; the first H200 run
-  measured 4.5 s a step (30 steps in 136 s). The section stops at 90 s: 8 steps, then as many as
-  its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
+  each part). A step is the whole batch (32 sequences, every response position an anchor) × 7
+  training-time-test steps of a one-layer head in one pass per step (~60 eager ops forward and
+  about as many backward, no host read; the figures are read once per log interval) plus a
+  30-layer feature forward over 32 × ~330 tokens; the table gives target tokens/s, response
+  tokens/s and trained positions/s (loss positions at draft depth 1). The per-sequence loop this
+  replaced took 4.5 s a step on the first H200 run. The section stops at 90 s: 8 steps, then as
+  many as its rate says fit (the resumed part's start-up and evaluation counted at 20 s).
 
 Sum ≈ 15 + 100 + 30 + 45 + 30 + 90 ≈ 310 s (5 minutes), under the 8 minutes with the 360 s
 guard covering a slow compile cache or a slower GPU (a section starts only when its estimate fits
@@ -130,7 +132,7 @@ if importlib.util.find_spec("specdec") is None:  # a bare checkout on the GPU ma
 
 import torch  # noqa: E402
 
-# experiments/ is the command's folder
+# experiments/ is on the path: the runner's own folder, or PYTHONPATH=experiments (make gpu-bench)
 from benchmarks.kernels import (describe_difference, first_difference, make_inputs,  # noqa: E402
                                verification_difference)
 from specdec.kernels import (choice, gather_slots, markov_sample, norm_concat_linear,  # noqa: E402
@@ -563,7 +565,7 @@ def native_mtp(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 # 5. training throughput
 
 TRAIN_LABEL = "training throughput only: the target has SmolLM2-135M's shape but random weights"
-# The CPU recipe it scales: experiments/bench.py learning_curves's defaults (the committed corpus, 384
+# The CPU recipe it scales: the corpus learning-curve runs (smollm2-135m-dflash's training.json; the committed corpus, 384
 # sequences, prompts cut to 64 tokens, 280 steps of 4 sequences = 1 120 sequences drawn).
 CPU_SEQUENCES = 280 * 4
 # seconds: the section's own budget (start-up, both parts, their evaluations); steps: the schedule's length,
@@ -609,7 +611,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 
     import yaml  # a dependency of transformers
 
-    from benchmarks.learning_curves import OPTIONS  # noqa: E402  (experiments/ is the command's folder)
+    from benchmarks.learning_curves import OPTIONS  # noqa: E402  (experiments/ is on the path)
     from specdec.training.config import DataConfig, OptimConfig, TrainConfig
 
     t0, t = now(), TRAIN["dry" if dry else "real"]
@@ -617,7 +619,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
     options = {**recipe["options"], **{o.split("=")[0].removeprefix("options."): int(o.split("=")[1])
                                        for o in OPTIONS["eagle3"]}}
     if dry:
-        options.update(draft_vocab=64, anchors=8, eval_anchors=8)
+        options.update(draft_vocab=64)
     target = smollm2_shaped(device, dry)
     with tempfile.TemporaryDirectory() as tmp:
         def config(stop_after: int | None, resume: bool) -> TrainConfig:
@@ -632,7 +634,7 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
 
         first, first_s, what = timed_train(config(t["first"], False), target)
         parts = [{"steps": t["first"], "seconds": first_s, "tokens": first.tokens,
-                  "response_tokens": first.response_tokens, "what": what}]
+                  "response_tokens": first.response_tokens, "positions": first.positions, "what": what}]
         record, rest = first, t["steps"] - t["first"]
         left = min(t["seconds"] - (now() - t0), budget.seconds - budget.elapsed()) - RESUME_S
         extra = min(rest, int(left / (first_s / t["first"]))) if first_s > 0 else rest
@@ -640,7 +642,8 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             stop = None if t["first"] + extra == t["steps"] else t["first"] + extra
             record, rest_s, what = timed_train(config(stop, True), target)
             parts.append({"steps": extra, "seconds": rest_s, "tokens": record.tokens - first.tokens,
-                          "response_tokens": record.response_tokens - first.response_tokens, "what": what})
+                          "response_tokens": record.response_tokens - first.response_tokens,
+                          "positions": record.positions - first.positions, "what": what})
         trained = sum(part["steps"] for part in parts)
         if trained < t["steps"]:
             budget.skipped.append({"what": f"train: steps {trained + 1}-{t['steps']} (beyond the section's "
@@ -655,7 +658,9 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             "cpu_recipe_sequences": CPU_SEQUENCES, "data_ratio": record.steps * t["batch"] / CPU_SEQUENCES,
             "tokens": record.tokens, "response_tokens": record.response_tokens, "parts": parts,
             "tokens_per_s": steady["tokens"] / steady["seconds"],
-            "response_tokens_per_s": steady["response_tokens"] / steady["seconds"], "rate_from": steady["what"],
+            "response_tokens_per_s": steady["response_tokens"] / steady["seconds"],
+            "positions": record.positions, "positions_per_token": record.positions_per_token,
+            "positions_per_s": steady["positions"] / steady["seconds"], "rate_from": steady["what"],
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
@@ -725,9 +730,13 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
                 f" data: {tr['data']}. {tr['steps']} steps of {tr['batch']} sequences = {tr['sequences']} sequences,"
                 f" {tr['data_ratio']:.3g}x the CPU recipe's {tr['cpu_recipe_sequences']}. The target's weights are"
                 " random, so the loss and acceptance measure nothing about drafting quality.", "",
-                "| part | steps | seconds | tokens | tokens/s | response tokens/s | timed |", "|---|---|---|---|---|---|---|"]
+                f"Trained positions: loss positions at draft depth 1 (every response position with a label), "
+                f"{_f(tr['positions_per_token'], '.3f')} per target token.", "",
+                "| part | steps | seconds | tokens | target tokens/s | response tokens/s | trained positions/s | timed |",
+                "|---|---|---|---|---|---|---|---|"]
         out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
-                f"| {p['response_tokens'] / p['seconds']:.0f} | {p['what']} |" for i, p in enumerate(tr["parts"])]
+                f"| {p['response_tokens'] / p['seconds']:.0f} | {p['positions'] / p['seconds']:.0f} | {p['what']} |"
+                for i, p in enumerate(tr["parts"])]
         out.append("")
     if results.get("kernel_choices"):
         out += ["## The path each kernel took (all sections)", "",
@@ -817,26 +826,22 @@ def _save(fig, path: Path) -> str:
     return path.name
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path, help="folder for env.json, results.json, results.md, figures")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
-    ap.add_argument("--budget-s", type=float, default=360.0,
-                    help="skip what would not fit in this many seconds, counted from process start")
-    ap.add_argument("--sections", default="kernels,forward,planted,mtp,train")
-    ap.add_argument("--p", type=float, default=0.8, help="planted acceptance per position")
-    ap.add_argument("--k", type=int, default=4, help="draft length of the planted run")
-    args = ap.parse_args()
-    if not args.dry_run and not torch.cuda.is_available():
+def kit(out: str, dry_run: bool = False, budget_s: float = 360.0, sections: str = "kernels,forward,planted,mtp,train",
+        p: float = 0.8, k: int = 4) -> None:
+    """Mode ``gpu`` (the kit): each section named in ``sections`` into ``out``, within ``budget_s``
+    counted from process start; ``dry_run``: CPU, tiny shapes, Triton's interpreter; ``p`` and ``k``:
+    the planted run's acceptance per position and draft length."""
+    out = Path(out)
+    if not dry_run and not torch.cuda.is_available():
         sys.exit("no GPU visible to torch: pass --dry-run for the CPU run")
-    device = "cpu" if args.dry_run else "cuda"
-    if args.dry_run:
+    device = "cpu" if dry_run else "cuda"
+    if dry_run:
         torch.set_num_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    budget, sections = Budget(args.budget_s, STARTED), args.sections.split(",")
+    out.mkdir(parents=True, exist_ok=True)
+    budget, sections = Budget(budget_s, STARTED), sections.split(",")
     env = environment(device)
-    (args.out / "env.json").write_text(json.dumps(env, indent=1, default=str))
-    results: dict[str, Any] = {"dry_run": args.dry_run, "budget_s": args.budget_s, "skipped": budget.skipped,
+    (out / "env.json").write_text(json.dumps(env, indent=1, default=str))
+    results: dict[str, Any] = {"dry_run": dry_run, "budget_s": budget_s, "skipped": budget.skipped,
                                "errors": {}, "section_s": {}}
 
     def write() -> None:
@@ -844,12 +849,12 @@ def main() -> None:
         first, and whatever the tables fail on, they do not cost it)."""
         results["wall_s"] = round(budget.elapsed(), 2)
         results["kernel_choices"] = choice.record()  # every path auto chose on this GPU, every section
-        (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         try:
             md = markdown(results, env)
         except Exception as e:  # noqa: BLE001
             md = f"# GPU kit results\n\nThe tables failed ({type(e).__name__}: {e}); results.json holds everything.\n"
-        (args.out / "results.md").write_text(md)
+        (out / "results.md").write_text(md)
 
     def section(name: str, fn: Callable[[], dict], wanted: bool | None = None) -> None:
         """Run one section (``wanted``: whether to, by default whether ``--sections`` names it); an
@@ -866,7 +871,7 @@ def main() -> None:
         print(f"{name}: {results['section_s'][name]} s")
         write()
 
-    section("kernels", lambda: bench_kernels(device, args.dry_run, budget))
+    section("kernels", lambda: bench_kernels(device, dry_run, budget))
     if results.get("kernels", {}).get("errors"):  # the table keeps the other cases; the run still fails
         results["errors"]["kernels"] = {"error": f"{len(results['kernels']['errors'])} case(s) failed: "
                                                  "kernels.errors in results.json"}
@@ -876,36 +881,50 @@ def main() -> None:
 
     def make_target() -> dict[str, Any]:
         nonlocal target
-        target = build_target(device, args.dry_run)
+        target = build_target(device, dry_run)
         return {"parameters": sum(p.numel() for p in target.model.parameters()),
                 "dtype": str(target.dtype).removeprefix("torch.")}
 
-    if on_target and budget.allows("forward + planted: the target", 1.0 if args.dry_run else 30.0):
+    if on_target and budget.allows("forward + planted: the target", 1.0 if dry_run else 30.0):
         section("target", make_target, wanted=True)
         if target is None:  # its error is recorded under "target"; say why these did not run
             for name in on_target:
                 results["errors"][name] = {"error": "not run: the target could not be built (see the target error)"}
             write()
         else:
-            section("forward", lambda: bench_forward(target, device, args.dry_run, budget))
-            section("planted", lambda: bench_planted(target, device, args.dry_run, budget, args.p, args.k,
+            section("forward", lambda: bench_forward(target, device, dry_run, budget))
+            section("planted", lambda: bench_planted(target, device, dry_run, budget, p, k,
                                                      results.get("forward", {}).get("rows", [])))
             target = None
             if device == "cuda":
                 torch.cuda.empty_cache()
-    section("mtp", lambda: native_mtp(device, args.dry_run, budget))
-    if "train" in sections and budget.allows("train", 15.0 if args.dry_run else TRAIN["real"]["seconds"]):
-        section("train", lambda: bench_train(device, args.dry_run, budget))
+    section("mtp", lambda: native_mtp(device, dry_run, budget))
+    if "train" in sections and budget.allows("train", 15.0 if dry_run else TRAIN["real"]["seconds"]):
+        section("train", lambda: bench_train(device, dry_run, budget))
     try:
-        results["figures"] = figures(results, args.out)
+        results["figures"] = figures(results, out)
     except Exception as e:  # noqa: BLE001  (the figures are a convenience: the results are written anyway)
         results["figures"] = []
         results["errors"]["figures"] = {"error": f"{type(e).__name__}: {e}",
                                         "traceback": traceback.format_exc()[-4000:]}
     write()
-    print(f"wrote {args.out} in {results['wall_s']} s")
+    print(f"wrote {out} in {results['wall_s']} s")
     if results["errors"]:
         sys.exit(f"errors in: {', '.join(results['errors'])} (results.md lists them)")
+
+
+def main() -> None:
+    """The kit on a bare GPU machine (no Hydra there): ``PYTHONPATH=experiments python -m benchmarks.gpu --out <folder>``."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path, help="folder for env.json, results.json, results.md, figures")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton's interpreter")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="skip what would not fit in this many seconds, counted from process start")
+    ap.add_argument("--sections", default="kernels,forward,planted,mtp,train")
+    ap.add_argument("--p", type=float, default=0.8, help="planted acceptance per position")
+    ap.add_argument("--k", type=int, default=4, help="draft length of the planted run")
+    args = ap.parse_args()
+    kit(args.out, args.dry_run, args.budget_s, args.sections, args.p, args.k)
 
 
 if __name__ == "__main__":

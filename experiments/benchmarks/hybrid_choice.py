@@ -1,7 +1,7 @@
 """Which part the hybrid drafter chooses, per rule: steps, rows that took the learned part's draft,
 and steps the learned part sat out, greedy, on a dataset's first (held-out) prompts. No clock.
 
-    .venv/bin/python experiments/bench.py hybrid_choice --datasets mtbench humaneval --prompts 3 --tokens 64 --k 8
+    .venv/bin/python experiments/run.py --config-name lab/hybrid_choice [datasets=[mtbench,humaneval] prompts=3 tokens=64 k=8]
 """
 
 from __future__ import annotations
@@ -41,24 +41,20 @@ def choice_counts(target: Target, drafter: Drafter, prompts: list[list[int]], to
     return counts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"])
-    ap.add_argument("--prompts", type=int, default=3, help="the first N of each dataset (held out)")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+def choices(datasets: list[str] = ("mtbench", "humaneval"), prompts: int = 3, tokens: int = 64, k: int = 8,
+            threads: int = 2) -> None:
+    """Mode ``hybrid_choice``: the counts of :func:`choice_counts` for both rules on the first
+    ``prompts`` (held-out) prompts of each dataset with SmolLM2-135M, as a Markdown table. Every
+    suffix tree is per request, since both rules answer the same prompts."""
+    torch.set_num_threads(threads)
     target = load_target("smollm2-135m", dtype=torch.float32)
     print("| dataset | rule | steps | rows on the learned draft | steps the learned part sat out |")
     print("|---|---|---:|---:|---:|")
-    for name in args.datasets:
-        samples = load_dataset(DatasetConfig(name=name, num_prompts=args.prompts, output_len=args.tokens, turns=1),
+    for name in datasets:
+        samples = load_dataset(DatasetConfig(name=name, num_prompts=prompts, output_len=tokens, turns=1),
                                target.tokenizer)
-        prompts = [encode_turn(target, s, 0, [], True) for s in samples]
+        asked = [encode_turn(target, s, 0, [], True) for s in samples]
         for rule in RULES:
-            # per-request suffix trees: each rule answers the same prompts
             drafter = make_drafter("hybrid", target, rule=rule, model_free_options={"max_cached_requests": 0})
-            c = choice_counts(target, drafter, prompts, args.tokens, args.k)
+            c = choice_counts(target, drafter, asked, tokens, k)
             print(f"| {name} | {rule} | {c['steps']} | {c['learned_chosen']} | {c['learned_sat_out']} |", flush=True)

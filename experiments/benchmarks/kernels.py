@@ -1,19 +1,18 @@
 """Rejection-sampler benchmark: the Triton kernel against its torch reference, same inputs.
 
-For B ∈ {1, 8, 64}, k ∈ {3, 7, 15}, V ∈ {32k, 152k} (a chain; ``--mode`` picks warped probs with
+For B ∈ {1, 8, 64}, k ∈ {3, 7, 15}, V ∈ {32k, 152k} (a chain; ``inputs`` picks warped probs with
 dense q, raw logits + temperature, a deterministic draft, or greedy: the greedy verifier's call): median time of each and the
 achieved bandwidth, counting the bytes of target scores and q (``B·(k+1)·V`` and ``B·k·V``
 float32s) over the time. That is what the torch reference reads; the kernel reads less when
 drafts are rejected early, so its figure is an effective bandwidth. Prints a markdown table and the
 backend, GPU, arch and autotune winner that ran.
 
-    .venv/bin/python experiments/bench.py kernels            # on a GPU
-    TRITON_INTERPRET=1 .venv/bin/python experiments/bench.py kernels --smoke   # CPU, tiny shapes
+    .venv/bin/python experiments/run.py --config-name lab/kernels                  # on a GPU
+    .venv/bin/python experiments/run.py --config-name lab/kernels smoke=true   # CPU, tiny shapes
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -104,35 +103,34 @@ def timed(fn, repeats: int, device: str) -> float:
     return measure(fn, repeats, warmup=1, device=device).median
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1): checks it runs")
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--mode", choices=("probs", "logits", "deterministic", "greedy"), default="probs",
-                    help="warped probabilities and dense q (default), raw logits + temperature, or q None")
-    args = ap.parse_args()
+def bench(smoke: bool = False, repeats: int = 20, inputs: str = "probs") -> None:
+    """Mode ``kernels``: the rejection-sampler kernel against its torch reference; ``smoke``: tiny
+    shapes on CPU in Triton's interpreter (checks it runs); ``inputs``: probs (warped probabilities and
+    dense q), logits (raw logits + temperature), deterministic (q None) or greedy."""
+    if inputs not in ("probs", "logits", "deterministic", "greedy"):
+        raise SystemExit(f"inputs must be probs, logits, deterministic or greedy, got {inputs!r}")
     torch.set_num_threads(1)
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    if args.smoke:
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    if smoke:
         shapes, repeats = [(b, k, v) for b in (1, 2) for k in (1, 3) for v in (37,)], 1
     else:
-        shapes, repeats = [(b, k, v) for b in (1, 8, 64) for k in (3, 7, 15) for v in (32_000, 152_064)], args.repeats
+        shapes = [(b, k, v) for b in (1, 8, 64) for k in (3, 7, 15) for v in (32_000, 152_064)]
     kernel = "triton" if triton_available() and (device == "cuda" or interpreting()) else None
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU)"
-    print(f"backend: kernel={kernel or 'unavailable'} vs torch reference; mode={args.mode}; device={device}; "
+    print(f"backend: kernel={kernel or 'unavailable'} vs torch reference; inputs={inputs}; device={device}; "
           f"GPU={gpu}; platform={platform()}; interpreter={interpreting()}; torch={torch.__version__}")
     print("\n| B | k | V | torch ms | torch GB/s | triton ms | triton GB/s | speed-up | exact |")
     print("|---|---|---|---|---|---|---|---|---|")
     for B, k, V in shapes:
-        inputs, kw, nbytes = make_inputs(B, k, V, device, args.mode)
+        args, kw, nbytes = make_inputs(B, k, V, device, inputs)
         with use_backend("torch"):
-            ref = rejection_sample(*inputs, **kw)
-            t_ref = timed(lambda: rejection_sample(*inputs, **kw), repeats, device)
+            ref = rejection_sample(*args, **kw)
+            t_ref = timed(lambda: rejection_sample(*args, **kw), repeats, device)
         row = f"| {B} | {k} | {V} | {t_ref * 1e3:.3f} | {nbytes / t_ref / 1e9:.1f} |"
         if kernel:
             with use_backend("triton"):
-                ker = rejection_sample(*inputs, **kw)
-                t_ker = timed(lambda: rejection_sample(*inputs, **kw), repeats, device)
+                ker = rejection_sample(*args, **kw)
+                t_ker = timed(lambda: rejection_sample(*args, **kw), repeats, device)
             same = describe_difference(verification_difference(ref, ker))
             row += f" {t_ker * 1e3:.3f} | {nbytes / t_ker / 1e9:.1f} | {t_ref / t_ker:.2f}× | {same} |"
         else:
@@ -145,7 +143,3 @@ def main() -> None:
         print(f"\nautotune winner (last shape): {describe(tuned_kernel())}")
     else:
         print("\nautotune: not run (interpreter or no kernel): one fixed small block")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,18 +1,17 @@
 """Peak memory of one generation at a long context, each method in a process of its own (a
 process's peak resident set never goes down, so methods cannot share one): transformers'
 ``generate()``, the library's autoregressive decoding, and speculative methods, on one held-out
-standard-library prompt of ``--context`` tokens, greedy, ``--new`` new tokens. Each line of the
+standard-library prompt of ``context`` tokens, greedy, ``new`` new tokens. Each line of the
 output (JSON) gives the peak RSS, the RSS after the model loaded and tuned, the bytes the packed
 weights and the KV store hold, the packing budget, and for the library's loop its time split and
 acceptance per position.
 
-    .venv/bin/python experiments/bench.py peak_memory --context 7500 --new 8 --threads 1 \\
-        --method hf --method ar --method "eagle3 k=2 checkpoint=smollm2-135m-eagle3"
+    .venv/bin/python experiments/run.py --config-name lab/peak_memory context=7500 new=8 threads=1 \\
+        'methods=[hf, ar, "eagle3 k=2 checkpoint=smollm2-135m-eagle3"]'
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -75,27 +74,21 @@ def _typed(options: dict[str, str]) -> dict:
     return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in options.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--context", type=int, default=7500)
-    ap.add_argument("--new", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--method", action="append", default=None,
-                    help='"hf", "ar" or "<drafter> key=value ...", once per process (default: hf, ar)')
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child: run the first method here
-    args = ap.parse_args()
-    methods = args.method or ["hf", "ar"]
-    if args.one:
+def measure(context: int = 7500, new: int = 8, threads: int = 1, methods: list[str] = ("hf", "ar"),
+            child: bool = False) -> None:
+    """Mode ``peak_memory``: each of ``methods`` (``hf``, ``ar`` or ``<drafter> key=value ...``) in a
+    process of its own, one JSON line each; ``child``: run the first method here (the processes' job)."""
+    if child:
         name, *rest = methods[0].split()
-        print(json.dumps(one(name, args.context, args.new, args.threads, dict(r.split("=", 1) for r in rest))))
+        print(json.dumps(one(name, context, new, threads, dict(r.split("=", 1) for r in rest))))
         return
-    for m in methods:
-        child = [sys.executable, str(Path(__file__).resolve()), "--one", "--context", str(args.context), "--new", str(args.new),
-                 "--threads", str(args.threads), "--method", m]
-        res = subprocess.run(child, capture_output=True, text=True)
+    from hydra.core.hydra_config import HydraConfig
+
+    runner = Path(__file__).resolve().parents[1] / "run.py"
+    out = Path(HydraConfig.get().runtime.output_dir)
+    for i, m in enumerate(methods):
+        cmd = [sys.executable, str(runner), "--config-name", "lab/peak_memory", f"context={context}", f"new={new}",
+               f"threads={threads}", f"methods=[{json.dumps(m)}]", "child=true", f"hydra.run.dir={out / f'method-{i}'}"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
         line = res.stdout.strip().splitlines()[-1] if res.returncode == 0 and res.stdout.strip() else None
         print(line or json.dumps({"method": m, "error": res.stderr.strip().splitlines()[-1:]}), flush=True)
-
-
-if __name__ == "__main__":
-    main()

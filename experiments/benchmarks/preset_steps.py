@@ -1,8 +1,8 @@
 """How much decoding each preset asks for, and about how long that takes: the basis of the run
 times in docs/experiments.md, computed from the composed configs without running anything.
 
-    .venv/bin/python experiments/bench.py preset_steps              # every preset, at 53 ms a step
-    .venv/bin/python experiments/bench.py preset_steps --ms 80      # another machine's step time
+    .venv/bin/python experiments/run.py --config-name lab/preset_steps            # every preset, at 53 ms a step
+    .venv/bin/python experiments/run.py --config-name lab/preset_steps ms=80      # another machine's step time
 
 Per preset: the jobs its sweep launches (``hydra.sweeper.params``), and over them the target steps
 of its decoding: per job, every method (each k of ``methods``, the autoregressive baseline and each
@@ -15,13 +15,13 @@ loading and warm-up are not counted, so the time is an order of magnitude, not a
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
 import math
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -49,22 +49,17 @@ def preset_steps(name: str, to_run_config) -> tuple[int, int | None]:
     return len(combos), steps
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ms", type=float, default=53.0,
-                    help="milliseconds a target step takes (default 53: SmolLM2-135M, fp32, batch 1, one thread,"
-                         " a quiet machine, docs/roofline.md)")
-    args = ap.parse_args()
+def table(ms: float = 53.0) -> None:
+    """Mode ``preset_steps``: the table of every preset's jobs and target steps, and their time at
+    ``ms`` milliseconds a target step (53: SmolLM2-135M, fp32, batch 1, one thread, a quiet machine,
+    docs/roofline.md)."""
     to_run_config = _entry().to_run_config
     print("| preset | jobs | target steps | at this step time |\n|---|---|---|---|")
+    GlobalHydra.instance().clear()  # the runner's own composition is done: compose each preset afresh
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for path in sorted(CONF.glob("*.yaml")):
             if path.stem == "config":
                 continue
             jobs, steps = preset_steps(path.stem, to_run_config)
-            when = "see docs/roofline.md" if steps is None else f"{steps * args.ms / 60e3:.1f} min"
+            when = "see docs/roofline.md" if steps is None else f"{steps * ms / 60e3:.1f} min"
             print(f"| `{path.stem}` | {jobs} | {'-' if steps is None else f'{steps:,}'} | {when} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,15 @@
 """Where one target forward over m new tokens spends its time, and what each fp32 product costs per row count.
 
-    .venv/bin/python experiments/bench.py step_anatomy                     # SmolLM2-135M, one thread
-    .venv/bin/python experiments/bench.py step_anatomy --context 4096 --new-tokens 1 5 9
+    .venv/bin/python experiments/run.py --config-name lab/step_anatomy     # SmolLM2-135M, one thread
+    .venv/bin/python experiments/run.py --config-name lab/step_anatomy context=4096 new_tokens=[1,5,9]
 
-Two tables (markdown, on stdout; ``--out`` also writes them with the raw numbers as JSON):
+Two tables (markdown, on stdout; ``out`` also writes them with the raw numbers as JSON):
 
 1. **Products**: one pass over every ``nn.Linear`` of the model (the LM head included) with each
    product a float32 linear layer can take here, at each row count: ``F.linear``, ``(W @ xᵀ)ᵀ``,
    oneDNN's inner product on weights packed for several batch-size hints, and ``F.linear`` on bf16
-   copies for contrast. Best of ``--reps`` passes; the bytes of the weights set the floor.
-2. **Anatomy**: ``Target.forward`` over m new tokens after ``--context`` committed ones, as the
+   copies for contrast. Best of ``reps`` passes; the bytes of the weights set the floor.
+2. **Anatomy**: ``Target.forward`` over m new tokens after ``context`` committed ones, as the
    loop verifies a chain (the block dropped after each timing), wall time per forward and a
    ``torch.profiler`` split of the same forwards into the linear products, attention and every
    other op; what the profiler does not see is Python between the ops. Last, the wall time of
@@ -18,7 +18,6 @@ Two tables (markdown, on stdout; ``--out`` also writes them with the raw numbers
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from collections.abc import Callable
@@ -85,29 +84,24 @@ def anatomy(target, context: int, m: int, reps: int, masked: bool = False) -> di
             "attention_ms": attention, "other_ops_ms": sum(ops.values()) - linear - attention}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m", help="target alias or folder (loaded in fp32)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--context", type=int, default=128, help="committed tokens before each timed forward")
-    ap.add_argument("--new-tokens", type=int, nargs="+", default=[1, 2, 3, 4, 5, 9])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=None, help="folder for anatomy.md and anatomy.json")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    target = specdec.load_target(args.model, dtype=torch.float32)
+def profile_step(model: str = "smollm2-135m", threads: int = 1, context: int = 128,
+                 new_tokens: list[int] = (1, 2, 3, 4, 5, 9), reps: int = 5, out: str | None = None) -> None:
+    """Mode ``step_anatomy``: both tables for ``model`` (an alias or folder, loaded in fp32), printed,
+    and with ``out`` written there as ``anatomy.md`` and ``anatomy.json``."""
+    torch.set_num_threads(threads)
+    target = specdec.load_target(model, dtype=torch.float32)
     weights = [m.weight.detach() for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    ms = args.new_tokens
+    ms = list(new_tokens)
     with torch.inference_mode():
-        table = products(weights, ms, args.reps)
-        parts = {m: anatomy(target, args.context, m, args.reps) for m in ms}
-        masked = {m: anatomy(target, args.context, m, args.reps, masked=True)["wall_ms"] for m in ms}
-    lines = [f"{args.model}, {len(weights)} linear layers ({mb:.0f} MB fp32), {args.threads} thread(s); "
-             f"ms per pass over all of them, best of {args.reps}", "",
+        table = products(weights, ms, reps)
+        parts = {m: anatomy(target, context, m, reps) for m in ms}
+        masked = {m: anatomy(target, context, m, reps, masked=True)["wall_ms"] for m in ms}
+    lines = [f"{model}, {len(weights)} linear layers ({mb:.0f} MB fp32), {threads} thread(s); "
+             f"ms per pass over all of them, best of {reps}", "",
              "| product | " + " | ".join(f"{m} rows" for m in ms) + " |", "|---|" + "---:|" * len(ms)]
     lines += [f"| {name} | " + " | ".join(f"{t:.1f}" for t in row) + " |" for name, row in table.items()]
-    lines += ["", f"`Target.forward` over m chain tokens after {args.context} committed ones (ms per forward; "
+    lines += ["", f"`Target.forward` over m chain tokens after {context} committed ones (ms per forward; "
               "`outside ops`: wall minus everything the profiler timed)", "",
               "| m | wall | t(m)/t(1) | linear products | attention | other ops | outside ops | wall, context with holes (masked) |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -118,13 +112,11 @@ def main() -> None:
                      f"{masked[m]:.1f} |")
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "anatomy.md").write_text(text + "\n")
-        (args.out / "anatomy.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                           "products": table, "anatomy": parts,
-                                                           "masked_wall_ms": masked}, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        args = dict(model=model, threads=threads, context=context, new_tokens=ms, reps=reps, out=out)
+        (folder / "anatomy.md").write_text(text + "\n")
+        (folder / "anatomy.json").write_text(json.dumps({"args": {k: str(v) for k, v in args.items()},
+                                                         "products": table, "anatomy": parts,
+                                                         "masked_wall_ms": masked}, indent=2) + "\n")

@@ -23,9 +23,9 @@ Shards are read memory-mapped (``safe_open``): a batch reads its own rows only, 
 larger than memory trains. The writer resumes at the first missing shard (a shard is written to a
 temporary name and renamed), refuses a folder made for another target or other layers, and shards
 its work over processes with ``accelerate`` (process ``p`` of ``P`` writes shards ``p, p+P, ...``),
-so several GPUs fill one store. One command makes it::
+so several GPUs fill one store. The lab's ``store`` mode fills one (docs/training.md)::
 
-    python -m specdec.data.store --out outputs/store/smollm2 --source corpus --source sharegpt --source stdlib
+    python experiments/run.py --config-name lab/store out=outputs/store/smollm2 sources=[corpus,sharegpt,stdlib]
 
 While a recipe trains from a store its target never runs (:class:`StoredRow` refuses every forward):
 the target's weights still serve its head (``target.logits``) and embeddings.
@@ -33,7 +33,6 @@ the target's weights still serve its head (``target.logits``) and embeddings.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -49,14 +48,14 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.data.sequences import TokenSeq
-from specdec.data.sources import SOURCE_NAMES, StoreItem, store_items
-from specdec.provenance import machine
+from specdec.data.sources import StoreItem
 from specdec.target import Target
 from specdec.timing import Stopwatch, now
 from specdec.transformers_versions import output_cache
 
 __all__ = ["FORMAT", "StoreItem", "StoreNeeds", "FeatureStore", "StoredRow", "StoreMismatch", "weights_hash", "write_store",
-           "target_kv", "forward_with_kv", "store_bytes_per_token", "throughput", "main"]
+           "target_kv", "forward_with_kv", "store_bytes_per_token", "throughput", "recipe_needs",
+           "DEFAULT_RECIPES"]
 
 FORMAT = "specdec-feature-store/1"
 MANIFEST = "manifest.json"
@@ -99,10 +98,10 @@ def forward_with_kv(target: Target, tokens: Tensor, layers: Iterable[int], kv: I
         raise ValueError(f"hidden-state ids {list(layers)} outside [0, {target.num_layers}]")
     if any(not 0 <= i < target.num_layers for i in kv):
         raise ValueError(f"K/V layers {list(kv)} outside [0, {target.num_layers})")
-    with torch.no_grad():
+    with torch.no_grad(), target.norm_input(target.num_layers in layers) as norm_input:
         out = target.decoder(input_ids=tokens.to(target.device), output_hidden_states=bool(layers),
                              use_cache=bool(kv))
-    hidden = {i: out.hidden_states[i] for i in layers}
+    hidden = target.layer_inputs(out.hidden_states, norm_input, layers) if layers else {}
     rows = {}
     cache = output_cache(out) if kv else None
     for i in kv:
@@ -140,8 +139,8 @@ class FeatureStore:
         self.path = Path(path)
         file = self.path / MANIFEST
         if not file.is_file():
-            raise FileNotFoundError(f"{self.path} is not a feature store (no {MANIFEST}); make one with "
-                                    f"`python -m specdec.data.store --out {self.path} ...`")
+            raise FileNotFoundError(f"{self.path} is not a feature store (no {MANIFEST}); make one "
+                                    f"(the lab's store mode: `experiments/run.py --config-name lab/store out={self.path} ...`)")
         self.manifest: dict[str, Any] = json.loads(file.read_text())
         if self.manifest.get("format") != FORMAT:
             raise StoreMismatch(f"{file}: format {self.manifest.get('format')!r}, this library reads {FORMAT!r}")
@@ -186,7 +185,7 @@ class FeatureStore:
         if got != want["hash"]:
             raise StoreMismatch(f"{self.path} was made for another target ({want['id']}, weights {want['hash'][:12]}), "
                                 f"this run's target has weights {got[:12]}: make a store for it "
-                                f"(`python -m specdec.data.store --out <folder> ...`)")
+                                f"(the lab's store mode: `experiments/run.py --config-name lab/store out=<folder> ...`)")
         if needs is not None:
             missing = sorted(set(needs.layers) - set(self.layers))
             missing_kv = sorted(set(needs.kv) - set(self.kv_layers))
@@ -436,63 +435,3 @@ def recipe_needs(target: Target, recipes: Iterable[str]) -> StoreNeeds:
 DEFAULT_RECIPES = ("specdec.drafters.eagle3.train.Eagle3Recipe", "specdec.drafters.dflash.train.DFlashRecipe",
                    "specdec.drafters.dspark.train.DSparkRecipe", "specdec.drafters.gemma_mtp.train.GemmaMTPRecipe",
                    "specdec.drafters.mtp.train.PostHocMTPRecipe")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m specdec.data.store``: fill (or resume) a store from the recorded sources."""
-    from specdec.data.config import TargetConfig, build_target
-
-    p = argparse.ArgumentParser(prog="python -m specdec.data.store", description=main.__doc__)
-    p.add_argument("--out", required=True, help="the store folder (resumed if it exists)")
-    p.add_argument("--target", default="smollm2-135m", help="a specdec.models alias or a local folder")
-    p.add_argument("--source", action="append", choices=SOURCE_NAMES, default=None,
-                   help="data sources, interleaved by tokens (repeat the flag); default: corpus")
-    p.add_argument("--corpus", default="experiments/data/smollm2-135m", help="the corpus folder (source corpus)")
-    p.add_argument("--max-prompt", type=int, default=64, help="corpus: keep the last N prompt tokens")
-    p.add_argument("--max-len", type=int, default=512, help="every sequence cut into windows of at most N tokens")
-    p.add_argument("--tokens", type=int, default=None, help="stop after about this many tokens")
-    p.add_argument("--held-out-every", type=int, default=20)
-    p.add_argument("--recipes", nargs="*", default=list(DEFAULT_RECIPES), help="whose layers to store (dotted paths)")
-    p.add_argument("--layers", type=int, nargs="*", default=None, help="hidden-state ids (overrides --recipes)")
-    p.add_argument("--kv-layers", type=int, nargs="*", default=None, help="K/V layers (overrides --recipes)")
-    p.add_argument("--compute-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the target runs in this dtype (rows are stored in bf16 either way)")
-    p.add_argument("--shard-sequences", type=int, default=64)
-    p.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per forward")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--throughput", type=int, default=0, metavar="N",
-                   help="measure instead: fill a shard of the stream's first N tokens in fp32 and in bf16, interleaved")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    target = build_target(TargetConfig(model=a.target, dtype="float32", pack=False))
-    checkpoint_hash = weights_hash(target)  # the weights as loaded, whatever dtype computes the rows
-    needs = recipe_needs(target, a.recipes)
-    needs = StoreNeeds(tuple(a.layers) if a.layers is not None else needs.layers,
-                       tuple(a.kv_layers) if a.kv_layers is not None else needs.kv)
-    target.model.to(getattr(torch, a.compute_dtype))
-    names = a.source or ["corpus"]
-    items, sources = store_items(target, names, corpus=a.corpus, max_prompt=a.max_prompt, max_len=a.max_len,
-                                 held_out_every=a.held_out_every)
-    command = "python -m specdec.data.store " + " ".join(argv if argv is not None else sys.argv[1:])
-    if a.throughput:
-        first, n = [], 0
-        for it in items:
-            first.append(it)
-            n += int(it.seq.tokens.numel())
-            if n >= a.throughput:
-                break
-        rows = throughput(target, first, needs, batch_tokens=a.batch_tokens)
-        info = {"command": command, "machine": machine(), "layers": list(needs.layers),
-                "kv_layers": list(needs.kv), "bytes_per_token": store_bytes_per_token(target, needs), "rows": rows}
-        print(json.dumps(info, indent=1))
-        return
-    store = write_store(target, a.target, items, a.out, needs, sources, a.held_out_every, a.shard_sequences,
-                        a.batch_tokens, command=command, max_tokens=a.tokens, progress=True,
-                        target_hash=checkpoint_hash)
-    print(f"{store.path}: {store.num_tokens:,} tokens, {len(store.sequences):,} sequences, hidden states "
-          f"{list(store.layers)}, K/V layers {list(store.kv_layers)}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Typed configuration of a training run: the one set of settings behind ``experiments/train.py``.
+"""Typed configuration of a training run: the one set of settings behind the lab's ``train`` mode.
 
 Hydra composes ``experiments/conf/train/<recipe>.yaml`` onto :class:`TrainConfig` and converts once
 with ``OmegaConf.to_object`` (types checked, unknown keys refused); tests build it directly. This
@@ -98,7 +98,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     out: str = ""  # the checkpoint folder written at the end (weights, config, training.json)
-    work: str = "outputs/train"  # the resumable state
+    work: str = ""  # the resumable state's folder (every preset names one); empty: beside out, "<out>-work"
     seed: int = 0  # model initialisation and every random draw of the run
     threads: int = 1  # torch intra-op threads (small shared CPUs: one is the most stable)
     resume: bool = False  # continue from the state in `work`
@@ -114,5 +114,7 @@ class TrainConfig:
             raise ValueError("recipe: the dotted path of a Recipe class is required")
         if not self.out:
             raise ValueError("out: the checkpoint folder is required")
+        if not self.work:
+            self.work = self.out.rstrip("/") + "-work"
         if self.threads < 1 or self.log_every < 1 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("threads and log_every must be >= 1, save_every and eval_every >= 0")

@@ -68,10 +68,17 @@ class Batch:
     lengths: Tensor  # [B]
     response_start: Tensor  # [B]
     features: dict[str, Tensor]  # {name: [B, T, ...]}, zero past each row's length
+    # lengths and response starts as the batch was made, on the host: what a loss sizes or draws
+    # anchors from without reading the device (None: lengths and response_start are the host's)
+    host: tuple[Tensor, Tensor] | None = None
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.tokens.to(device), self.lengths.to(device), self.response_start.to(device),
-                     {k: v.to(device) for k, v in self.features.items()})
+                     {k: v.to(device) for k, v in self.features.items()}, self.on_host())
+
+    def on_host(self) -> tuple[Tensor, Tensor]:
+        """(lengths, response_start) on the host, without a device read when the batch was made there."""
+        return self.host if self.host is not None else (self.lengths.cpu(), self.response_start.cpu())
 
     @property
     def num_tokens(self) -> int:

@@ -22,16 +22,24 @@ from specdec.data.store import StoreNeeds
 from specdec.target import Target
 from specdec.training.data import Batch, TrainData
 
-__all__ = ["Recipe", "StepOutput", "load_recipe", "head_rows", "forward_kl", "copy_weights", "draw_anchors",
+__all__ = ["Recipe", "StepOutput", "as_figures", "load_recipe", "span_positions", "head_rows", "forward_kl", "copy_weights", "draw_anchors",
            "batch_anchors", "masked_mean"]
 
-Metric = float | list[float]
+Metric = float | list[float]  # a recorded figure, as training.json holds it
+Figure = Tensor | float | list[float]  # what a loss returns: a 0-d or 1-d tensor kept on the device, or a number
 
 
 @dataclass
 class StepOutput:
     loss: Tensor  # scalar, what the optimiser minimises
-    metrics: dict[str, Metric]  # recorded figures: "accept" is the per-position acceptance estimate
+    # recorded figures, "accept" the per-position acceptance estimate: tensors stay on the device (the
+    # trainer sums them there and reads them once per log interval), so a loss never waits for the device
+    metrics: dict[str, Figure]
+
+
+def as_figures(metrics: dict[str, Figure]) -> dict[str, Metric]:
+    """``metrics`` read to the host: numbers and lists, as ``training.json`` records them."""
+    return {k: (v.detach().float().tolist() if isinstance(v, Tensor) else v) for k, v in metrics.items()}
 
 
 class Recipe(ABC):
@@ -70,6 +78,13 @@ class Recipe(ABC):
     def loss(self, model: nn.Module, batch: Batch, gen: torch.Generator) -> StepOutput:
         """The loss of one batch; random draws (anchors ...) come from ``gen`` only. The trainer
         also calls it, under ``no_grad`` with ``model.training`` False, for the held-out figures."""
+
+    def loss_positions(self, lengths: Tensor, response_start: Tensor) -> Tensor | None:
+        """Loss positions at draft depth 1 per row (host tensors [B] → [B] int64): how many first
+        drafts one pass of the loss trains on rows of these lengths, by the recipe's own definition
+        (labels inside the draft vocabulary not required). The trainer reports them against the
+        target tokens (``positions_per_token``) and per second; None: the recipe does not say."""
+        return None
 
     def finish(self, model: nn.Module, data: TrainData, gen: torch.Generator) -> dict[str, Any]:
         """After the last step, before saving (e.g. calibrating on held-out data); figures to record."""
@@ -129,24 +144,41 @@ def copy_weights(model: nn.Module, state: dict[str, Tensor], folder: Path) -> No
 
 def draw_anchors(lo: int, hi: int, n: int, gen: torch.Generator) -> Tensor:
     """Up to ``n`` distinct positions in ``[lo, hi]``, sorted, drawn on the generator's device (nothing
-    drawn when the range is empty): the anchors every recipe trains its drafts from. [≤ n] int64"""
+    drawn when the range is empty): the anchors of a single sequence. [≤ n] int64"""
     if hi < lo:
         return torch.zeros(0, dtype=torch.long, device=gen.device)
     return (torch.randperm(hi - lo + 1, generator=gen, device=gen.device)[:n] + lo).sort().values
 
 
+def span_positions(lo: Tensor, hi: Tensor, n: int) -> Tensor:
+    """How many anchors a row with range ``[lo, hi]`` gets: all of them when ``n`` is 0, else up to ``n``. [B]"""
+    size = (hi - lo + 1).clamp(min=0)
+    return size if n == 0 else size.clamp(max=n)
+
+
 def batch_anchors(response_start: Tensor, lengths: Tensor, n: int, gen: torch.Generator,
-                  span: Callable[[int, int], tuple[int, int]], pad: int = 0,
+                  span: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], pad: int = 0,
                   device: torch.device | None = None) -> tuple[Tensor, Tensor]:
-    """:func:`draw_anchors` for every row of a batch, in the range ``span(response_start, length)``
-    gives it (the recipe's: where a draft has its labels): anchors [B, n] (``pad`` where a row has
-    fewer) and which are real [B, n], on ``device``."""
-    B, host = len(lengths), gen.device
-    anchors = torch.full((B, n), pad, dtype=torch.long, device=host)
-    keep = torch.zeros(B, n, dtype=torch.bool, device=host)
-    for b, (start, length) in enumerate(zip(response_start.tolist(), lengths.tolist())):
-        pick = draw_anchors(*span(start, length), n, gen)
-        anchors[b, : pick.numel()], keep[b, : pick.numel()] = pick, True
+    """Anchors for every row of a batch in the range ``span(response_start, lengths)`` gives it (the
+    recipe's, elementwise on [B] tensors: where a draft has its labels), in one vectorised draw:
+    ``n`` distinct positions per row (fewer where the range is smaller), or with ``n = 0`` every
+    position of the range (dense). anchors [B, A] sorted, ``pad`` where a row has fewer, and which
+    are real [B, A], on ``device``. Random keys come from ``gen`` on its device; nothing is read
+    back to the host, whatever the device."""
+    host = gen.device
+    lo, hi = (t.to(host) for t in span(response_start.to(host), lengths.to(host)))
+    size = (hi - lo + 1).clamp(min=0)  # [B]
+    width = int(size.max()) if size.numel() else 0  # lengths live on the host: batches are made there
+    width = max(width, 0)
+    pos = torch.arange(width, device=host)  # offsets into each row's range
+    inside = pos.unsqueeze(0) < size.unsqueeze(1)  # [B, W]
+    if n and width > n:
+        keys = torch.rand(len(size), width, generator=gen, device=host).masked_fill(~inside, 2.0)
+        pick = keys.topk(n, dim=1, largest=False).indices.sort(dim=1).values  # n distinct offsets, sorted
+        keep = inside.gather(1, pick)
+    else:
+        pick, keep = pos.expand(len(size), -1), inside
+    anchors = torch.where(keep, lo.unsqueeze(1) + pick, torch.full_like(pick, pad))
     return anchors.to(device or host), keep.to(device or host)
 
 

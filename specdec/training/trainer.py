@@ -42,10 +42,11 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from specdec.data.config import build_target
+from specdec.kernels.dispatch import use_backend
 from specdec.provenance import command_line, git_dirty, git_sha, versions
 from specdec.target import Target
 from specdec.training.config import TrainConfig
@@ -83,6 +84,8 @@ class TrainingRecord:
     held_out: dict[str, Metric]  # the recipe's figures on the held-out sequences at the end
     dirty: bool | None = None  # tracked files differed from `revision` (the revision alone does not reproduce it)
     response_tokens: int | None = None  # of which response tokens (what a drafter is served on)
+    positions: int | None = None  # loss positions at draft depth 1 trained on (Recipe.loss_positions)
+    positions_per_token: float | None = None  # of the training sequences: loss positions per target token
     extra: dict[str, Any] = field(default_factory=dict)  # figures of the recipe's finish step (calibration ...)
     log: list[dict[str, Any]] = field(default_factory=list)  # training (and periodic held-out) figures by step
     parts: list[dict[str, Any]] = field(default_factory=list)  # the commands of a run done in several parts
@@ -120,25 +123,31 @@ class _Progress:
     step: int = 0
     tokens: int = 0
     response_tokens: int = 0
+    positions: int = 0  # loss positions at draft depth 1 (Recipe.loss_positions), 0 where the recipe gives none
     wall_seconds: float = 0.0
     log: list[dict[str, Any]] = field(default_factory=list)
     parts: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _mean(figures: list[dict[str, Metric]]) -> dict[str, Metric]:
-    """Per-key mean over batches (element-wise for per-position lists)."""
-    out: dict[str, Metric] = {}
-    for k in figures[0]:
-        vals = [f[k] for f in figures]
-        if isinstance(vals[0], list):
-            out[k] = [sum(v) / len(v) for v in zip(*vals)]
-        else:
-            out[k] = sum(vals) / len(vals)
-    return out
+class _Meter:
+    """Running sums of a loss's figures, kept where the figures live (the device): adding one never
+    waits for the device; :meth:`read` reads the means to the host once, then starts again."""
 
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.count = 0
 
-def _figures(out: StepOutput) -> dict[str, Metric]:
-    return {"loss": float(out.loss.detach()), **out.metrics}
+    def add(self, out: StepOutput) -> None:
+        for k, v in {"loss": out.loss, **out.metrics}.items():
+            t = v.detach().float() if isinstance(v, Tensor) else torch.tensor(v, dtype=torch.float32)
+            self.sums[k] = self.sums[k] + t.to(self.sums[k].device) if k in self.sums else t
+        self.count += 1
+
+    def read(self) -> dict[str, Metric]:
+        """Per-key means (element-wise for per-position figures) since the last read."""
+        out = {k: (v / max(1, self.count)).tolist() for k, v in self.sums.items()}
+        self.sums, self.count = {}, 0
+        return out
 
 
 class _Loss(nn.Module):
@@ -243,10 +252,20 @@ def evaluate(recipe: Recipe, model: nn.Module, data: TrainData, cfg: TrainConfig
         return {}
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     model.eval()
+    meter = _Meter()
     with acc.autocast():
-        figures = [_figures(recipe.loss(model, b, gen)) for b in batches]
+        for b in batches:
+            meter.add(recipe.loss(model, b, gen))
     model.train()
-    return _mean(figures)
+    return meter.read()
+
+
+def positions_per_token(recipe: Recipe, data: TrainData) -> float | None:
+    """Loss positions at draft depth 1 per target token over the training sequences, as one pass of
+    the recipe's loss counts them (None: the recipe does not say)."""
+    lengths = torch.tensor([s.tokens.numel() for s in data.train])
+    counted = recipe.loss_positions(lengths, torch.tensor([s.response_start for s in data.train]))
+    return None if counted is None else round(float(counted.sum()) / max(1, int(lengths.sum())), 4)
 
 
 def _build_target(cfg: TrainConfig) -> Target | None:
@@ -258,10 +277,18 @@ def _build_target(cfg: TrainConfig) -> Target | None:
 def train(cfg: TrainConfig, command: str | None = None, target: Target | None = None) -> TrainResult:
     """Run (or resume) ``cfg``; write the checkpoint and ``training.json`` to ``cfg.out``.
 
+    Training runs torch code only: the library's Triton kernels (decoding's) are switched off for the
+    whole run, so nothing is compiled on the first steps of a timed loop, whatever the device.
+
     ``target`` overrides ``cfg.target`` (tests pass a tiny one); it is frozen, moved to the
     accelerator's device and cast to ``data.feature_dtype`` once the data is made. Under
     ``accelerate launch`` every process runs this and returns the same model and record.
     """
+    with use_backend("torch"):
+        return _train(cfg, command, target)
+
+
+def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> TrainResult:
     start = time.time()
     o = cfg.optim
     AcceleratorState._reset_state()  # the precision is per run (one process may run several, tests do)
@@ -306,45 +333,62 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         _save_state(state_path, acc, model, opt, gen, progress, cfg)
 
     stop = o.stop_after or o.steps
+    per_token = positions_per_token(recipe, data)
     if acc.is_main_process:
         log.info("%s: %.2fM trainable parameters, %d training / %d held-out sequences; steps %d..%d of %d on %d %s "
-                 "process(es)", cfg.recipe.rpartition(".")[2], sum(p.numel() for p in params) / 1e6, len(data.train),
-                 len(data.held), first, stop, o.steps, acc.num_processes, acc.device.type)
+                 "process(es); %s loss positions per target token", cfg.recipe.rpartition(".")[2],
+                 sum(p.numel() for p in params) / 1e6, len(data.train), len(data.held), first, stop, o.steps,
+                 acc.num_processes, acc.device.type, "–" if per_token is None else f"{per_token:.3f}")
 
     share = o.batch // acc.num_processes
     mine = slice(acc.process_index * share, (acc.process_index + 1) * share)  # this process's slice of each batch
     bar = tqdm(range(first, stop), initial=first, total=stop, desc="train", disable=not show, mininterval=2)
     t_loop, held, eval_s = time.time(), {}, 0.0
+    meter, grad_norm = _Meter(), torch.zeros(())
+    pending = {"tokens": 0, "response_tokens": 0, "positions": 0}  # this process's counts since the last flush
+
+    def flush() -> None:
+        """Add every process's counts since the last flush to the progress (one reduction, at the
+        steps every process reaches together: logging, evaluation, saving, the end)."""
+        counts = _across(acc, dict(pending), "sum")
+        for k in pending:
+            setattr(progress, k, getattr(progress, k) + int(counts[k]))
+            pending[k] = 0
+
     for step in bar:
         lr = lr_at(step, o.steps, o.lr, o.warmup, o.min_lr)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        figures, tokens, response_tokens = [], 0, 0
         for m in range(o.accumulate):
             idx = data.indices((step * o.accumulate + m) * o.batch, o.batch, cfg.seed)[mine]
-            batch = data.batch([data.train[i] for i in idx]).to(acc.device)
+            host = data.batch([data.train[i] for i in idx])  # counted here, on the host: no device read
+            pending["tokens"] += host.num_tokens
+            pending["response_tokens"] += host.num_response_tokens
+            counted = recipe.loss_positions(host.lengths, host.response_start)
+            pending["positions"] += 0 if counted is None else int(counted.sum())
+            batch = host.to(acc.device)
             with acc.accumulate(step_loss):  # gradients are averaged over the processes at the last micro-batch
                 out = step_loss(batch, gen)
                 acc.backward(out.loss)  # divides by `accumulate`
-            tokens += batch.num_tokens
-            response_tokens += batch.num_response_tokens
-            figures.append(_figures(out))
-        grad_norm = float(acc.clip_grad_norm_(params, o.clip))
+            meter.add(out)
+        grad_norm = acc.clip_grad_norm_(params, o.clip)
         opt.step()
-        counts = _across(acc, {"tokens": tokens, "response_tokens": response_tokens}, "sum")
-        progress.tokens += int(counts["tokens"])
-        progress.response_tokens += int(counts["response_tokens"])
         progress.step = step + 1
-        now = _across(acc, _mean(figures), "mean")
-        bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else " ".join(f"{x:.2f}" for x in v))
-                         for k, v in now.items()})
-        if progress.step % cfg.log_every == 0 or progress.step == stop:
-            progress.log.append({"step": progress.step, "tokens": progress.tokens, "lr": lr, "grad_norm": grad_norm,
-                                 **now})
+        logging_now = progress.step % cfg.log_every == 0 or progress.step == stop
+        evaluating = progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0)
+        saving = cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < stop
+        if logging_now or evaluating or saving:
+            flush()
+        if logging_now:  # the figures' one read from the device: their means over the steps since the last log
+            now = _across(acc, meter.read(), "mean")
+            bar.set_postfix({k: (f"{v:.3f}" if isinstance(v, float) else " ".join(f"{x:.2f}" for x in v))
+                             for k, v in now.items()})
+            progress.log.append({"step": progress.step, "tokens": progress.tokens, "positions": progress.positions,
+                                 "lr": lr, "grad_norm": float(grad_norm), **now})
             if acc.is_main_process:
                 log.info("step %d: %s", progress.step, json.dumps(now))
-        if progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0):
+        if evaluating:
             t_eval = time.time()
             held = evaluate(recipe, model, data, cfg, acc)
             eval_s += time.time() - t_eval
@@ -353,7 +397,7 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
                                  "seconds": round(wall_before + time.time() - start, 1), "held_out": held})
             if acc.is_main_process:
                 log.info("step %d held-out: %s", progress.step, json.dumps(held))
-        if cfg.save_every and progress.step % cfg.save_every == 0 and progress.step < stop:
+        if saving:
             save_state()
     bar.close()
     if first == stop:  # resumed at the end: nothing left to train
@@ -370,7 +414,8 @@ def train(cfg: TrainConfig, command: str | None = None, target: Target | None = 
         recipe.save(model, out_dir)
     record = TrainingRecord(
         revision=git_sha(), dirty=git_dirty(), command=command, config=asdict(cfg), steps=progress.step,
-        tokens=progress.tokens, response_tokens=progress.response_tokens,
+        tokens=progress.tokens, response_tokens=progress.response_tokens, positions=progress.positions,
+        positions_per_token=per_token,
         wall_seconds=round(wall_before + time.time() - start, 1),
         held_out=held, extra=extra, log=progress.log, parts=progress.parts if len(progress.parts) > 1 else [],
         versions={**versions(), "torch_threads": str(cfg.threads), "processes": str(acc.num_processes),
