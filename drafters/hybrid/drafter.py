@@ -3,8 +3,8 @@ or any drafter), and per row and step the proposal of whichever part is expected
 tokens accepted.
 
 Both parts draft (the learned part's draft is its evidence; it sits out a greedy step no row could
-choose it in) and both observe every commit, whichever part was chosen, so each keeps its state in step with the target. A row's
-proposal comes wholly from one part; rows of one batch may choose different parts, merged into
+choose it in) and both observe every commit, whichever part was chosen, so each keeps its state in
+step with the target. A row's proposal comes wholly from one part; rows of one batch may choose different parts, merged into
 one :class:`~specdec.types.DraftProposal` padded to the longer part with ``num_valid``.
 
 **Rules** (``rule``):
@@ -28,7 +28,8 @@ draft's expected length is at least the learned part's upper bound, every node o
 proposal accepted, calibrated), the learned part does not draft that step.
 
 The choice reads only the row's own draft and history, never another row's, so a row's output
-does not depend on its batch; and a choice made before verification never changes the output
+does not depend on its batch (whether the learned part sits out depends on every row, but only
+greedy steps, which draw no random numbers, are skipped); and a choice made before verification never changes the output
 distribution (each part's draft is lossless on its own).
 
 ``q``: a deterministic draft is ``q=None``; when the learned part samples (q given), the merged q
