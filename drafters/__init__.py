@@ -11,6 +11,7 @@
 | ``dflash`` | m layer outputs (context K/V), embeddings, LM head | one non-causal block pass: ``k`` drafts, independent given the block (exact q) |
 | ``dflash2`` | as ``dflash`` | the block pass with grouped dynamic convolutions, then a walk through the top-K candidates per slot scored by a low-rank bilinear selector (exact q over the candidates) |
 | ``dspark`` | as ``dflash`` | one block pass (the anchor predicts too) + Markov-corrected left-to-right sampling (exact q); confidences for the prefix scheduler |
+| ``hybrid`` | what its two parts need | per row and step, a model-free part's (suffix) or a learned part's (EAGLE-3) proposal, whichever is expected to get more accepted (or vLLM's ngram-first rule) |
 """
 
 if __name__ != "specdec.drafters":  # the bare name `drafters` belongs to another PyPI package
@@ -28,6 +29,7 @@ from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.eagle3.drafter import Eagle3Drafter
 from specdec.drafters.dspark.drafter import DSparkDrafter
 from specdec.drafters.gemma_mtp.drafter import GemmaMTPDrafter
+from specdec.drafters.hybrid.drafter import HybridDrafter
 from specdec.drafters.mtp.drafter import MTPDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.suffix.drafter import SuffixDrafter
@@ -42,7 +44,8 @@ DRAFTERS: dict[str, type[Drafter]] = {
     "dflash": DFlashDrafter,
     "dflash2": DFlash2Drafter,
     "dspark": DSparkDrafter,
+    "hybrid": HybridDrafter,
 }
 
 __all__ = ["DRAFTERS", "Drafter", "NgramDrafter", "DraftModelDrafter", "GemmaMTPDrafter", "MTPDrafter", "Eagle3Drafter", "DFlashDrafter",
-           "DFlash2Drafter", "DSparkDrafter", "SuffixDrafter"]
+           "DFlash2Drafter", "DSparkDrafter", "SuffixDrafter", "HybridDrafter"]

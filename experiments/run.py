@@ -74,6 +74,7 @@ LAB_MODES: dict[str, str] = {
     "store": "benchmarks.store_fill:fill",
     "corpus": "generate_corpus:grow",
     "preset_steps": "benchmarks.preset_steps:table",
+    "hybrid_choice": "benchmarks.hybrid_choice:choices",
     "train_rates": "benchmarks.train_rates:compare",
     "train_flops": "benchmarks.train_flops:roofline",
     "capture_cpu": "benchmarks.capture_cpu:compare_modes",

@@ -70,6 +70,7 @@ class Eagle3Config:
     tree_budget: int = 16  # dynamic: draft nodes kept after reranking (EAGLE-2: 59, + the root = 60)
     greedy_draft: bool = False  # argmax drafts (q None) even when sampling
     dtype: str = ""  # the draft's weights and cache: "" the target's; "bfloat16" halves the bytes a draft step reads
+    confidence: bool = False  # greedy drafts report each drafted token's draft probability (DraftProposal.confidence)
     window: int = 0  # draft attention over the context positions of the last `window` only (0: all); the cache keeps every slot
 
     def __post_init__(self) -> None:
@@ -359,6 +360,7 @@ class Eagle3Drafter(Drafter):
         dev = state.root.device
         tokens = torch.zeros(B, n, dtype=torch.long, device=dev)
         q = None if greedy else torch.zeros(B, n, V, device=dev)
+        conf = torch.zeros(B, n, device=dev) if greedy and self.config.confidence else None
         # node → logits of its children: over the draft vocabulary when greedy (ranked, then mapped to
         # target ids), over the target's when sampling (q is a distribution over it)
         scores = self.model.draft_logits if greedy else self.model.full_logits
@@ -369,7 +371,7 @@ class Eagle3Drafter(Drafter):
             nodes = tree.nodes_at(depth)
             for parent in dict.fromkeys(tree.parents[i] for i in nodes):
                 kids = [i for i in nodes if tree.parents[i] == parent]
-                self._draw_children(logits[parent], kids, tokens, q, rows, self.model.draft_ids)
+                self._draw_children(logits[parent], kids, tokens, q, rows, self.model.draft_ids, conf)
             expand = [i for i in nodes if tree.children(i)]
             if expand:
                 par = torch.tensor([fwd.get(tree.parents[i], -1) for i in expand], device=dev).expand(B, -1)
@@ -379,18 +381,21 @@ class Eagle3Drafter(Drafter):
                     fwd[i] = base + j
                     logits[i] = scores(y[:, j])
         if self.static is None:  # a chain: the target takes its chain path (no ancestor matrix, no 4-D mask)
-            return DraftProposal.chain(tokens, q)
+            return DraftProposal.chain(tokens, q, confidence=conf)
         parents = torch.tensor(tree.parents, dtype=torch.long, device=dev).expand(B, n).clone()
-        return DraftProposal(tokens, parents, q)
+        return DraftProposal(tokens, parents, q, confidence=conf)
 
     @staticmethod
     def _draw_children(logits: Tensor, kids: list[int], tokens: Tensor, q: Tensor | None, rows: RowSampling,
-                       draft_ids: Tensor) -> None:
-        """Fill ``tokens`` (and ``q``) for sibling nodes ``kids`` in draw order; ``logits`` are
-        over the draft vocabulary when ``q`` is None (greedy), over the target's otherwise."""
+                       draft_ids: Tensor, conf: Tensor | None = None) -> None:
+        """Fill ``tokens`` (and ``q``; ``conf``, the greedy draft's probability of each drafted
+        token, when given) for sibling nodes ``kids`` in draw order; ``logits`` are over the draft
+        vocabulary when ``q`` is None (greedy), over the target's otherwise."""
         if q is None:
             top = argmax(logits).unsqueeze(-1) if len(kids) == 1 else logits.topk(len(kids), dim=-1).indices
             tokens[:, kids] = draft_ids[top]
+            if conf is not None:
+                conf[:, kids] = logits.float().softmax(-1).gather(-1, top).to(conf.dtype)
             return
         base = rows.probs(logits)  # [B, V] warped like the target
         used = torch.zeros_like(base, dtype=torch.bool)

@@ -7,7 +7,8 @@ sequences and tokens and evicted oldest first. Each step, every suffix of the re
 ``max_depth`` tokens that occurs in a tree yields a draft tree grown from the matched node by
 empirical frequency (``count(child) / count(node)``, multiplied down the path), with
 ``min(max_spec_tokens, max_spec_factor * match_length + max_spec_offset)`` nodes; the
-best-scoring draft of both trees is proposed. Deterministic: ``q`` is ``None``.
+best-scoring draft of both trees is proposed. Deterministic: ``q`` is ``None``; each node's
+frequency score given its parent is reported as its ``confidence``.
 
 The global tree makes a row's drafts depend on what other requests produced. That never changes
 the output distribution (a draft is fixed before the row's verification draws its random numbers),
@@ -139,7 +140,10 @@ class SuffixDrafter(Drafter):
         # padding: children of the root
         parents = padded_ids([d.parents for d in drafts], n, -1, dev)
         num_valid = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long, device=dev)
-        return DraftProposal(tokens, parents, None, num_valid)
+        # each node's frequency score given its parent: count(child) / count(node)
+        conf = [[pr / (d.probs[p] if p >= 0 else 1.0) for pr, p in zip(d.probs, d.parents)] for d in drafts]
+        confidence = torch.tensor([c + [0.0] * (n - len(c)) for c in conf], dtype=torch.float32, device=dev)
+        return DraftProposal(tokens, parents, None, num_valid, confidence)
 
     def observe(self, state: list[_Row], committed: Committed) -> None:
         for row, toks, n, nxt in zip(state, committed.tokens.tolist(), committed.num_tokens.tolist(),

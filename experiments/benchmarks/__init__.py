@@ -16,6 +16,7 @@ lists each mode's parameters; ``experiments/run.py``'s ``LAB_MODES`` maps a mode
 - ``token_map``: the target's tokens ranked by how often it writes them in the corpus.
 - ``eagle3_chain_estimate``: an EAGLE-3 head's training-time estimate against decoding.
 - ``eagle3_serving``: the vLLM / SGLang settings that serve an EAGLE-3 checkpoint.
+- ``hybrid_choice``: which part the hybrid drafter proposes from, per rule, and when its learned part sits out.
 - ``preset_steps``: the target steps each preset decodes, the basis of its run time, no clock.
 - ``train_rates``: every recipe trained by another checkout and by this one at equal tokens, back to back.
 - ``train_flops``: FLOPs per trained position of every recipe against a measured rate (a training roofline).
