@@ -191,6 +191,14 @@ def _gemma4_beyond_the_first_setting(item: pytest.Item) -> bool:
     return params.get("target") == "gemma4" and "sampling" in params and params["sampling"] != SETTINGS[0]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """A lossy verifier warns (specdec.loop); a test that uses one on purpose asserts the warning
+    (pytest.warns), so one anywhere else is an error, not noise in the summary. Added here, not in
+    pyproject's ``filterwarnings``: resolving the category there imports the library (and triton)
+    before this file sets ``TRITON_INTERPRET``."""
+    config.addinivalue_line("filterwarnings", "error::specdec.loop.LossyVerifierWarning")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     unmarked = [i.nodeid for i in items
                 if "smollm2" in getattr(i, "fixturenames", ()) and not i.get_closest_marker("slow")]
