@@ -67,3 +67,18 @@ def test_the_committed_corpus_feeds_the_trainer_with_prompts_cut_and_the_same_he
                for a, b in zip(whole.held, cut.held))  # the held-out rule reads the whole prompt
     with pytest.raises(ValueError, match="data.path"):
         DataConfig(source="corpus")
+
+
+def test_a_folder_made_with_other_settings_is_refused_before_any_work(tmp_path):
+    from safetensors.torch import save_file
+
+    from specdec.target import Target
+    from specdec.testing.tiny import tiny_model
+
+    target = Target(tiny_model("llama", vocab_size=32))
+    meta = {"max_new_tokens": "256", "max_prompt_tokens": "512", "seed": "0", "vocab_size": "32"}  # an older shard
+    save_file({"tokens": torch.zeros(1, dtype=torch.int32)}, str(tmp_path / "shard-00000.safetensors"), metadata=meta)
+    with pytest.raises(ValueError, match="greedy"):
+        generate_corpus(target, tmp_path, num_prompts=70, greedy=True, progress=False)
+    with pytest.raises(ValueError, match="shard_size"):
+        generate_corpus(target, tmp_path, num_prompts=70, shard_size=128, progress=False)

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 
-os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler
+# the interpreter has no compiler: leave it before triton is imported (a process that imported triton
+# already keeps the mode it chose, and its environment is left alone for everything else it runs)
+if "triton" not in sys.modules:
+    os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

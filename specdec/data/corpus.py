@@ -86,11 +86,14 @@ def _shard(folder: Path, i: int) -> Path:
 
 def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
                     max_new_tokens: int = 256, max_prompt_tokens: int = 512, drafter: str | None = None,
-                    k: int = 4, seed: int = 0, progress: bool = True) -> Path:
+                    k: int = 4, seed: int = 0, progress: bool = True, greedy: bool = False) -> Path:
     """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
 
     Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
     ``shard_size`` prompts is generated in batches of ``batch`` sorted by length, then written at once.
+    ``greedy``: every answer is the target's greedy one (on-policy data for greedy serving) instead of
+    :data:`TEMPERATURES` round-robin. A folder made with other settings (or another compute dtype)
+    is refused before any work: its shards would not be one data set.
     """
     from tqdm import tqdm
 
@@ -105,6 +108,10 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
     if num_prompts > len(convs):
         raise ValueError(f"only {len(convs)} offline conversations exist, {num_prompts} were asked for")
     id_dtype = torch.uint16 if target.vocab_size <= 1 << 16 else torch.int32
+    meta = {"max_new_tokens": str(max_new_tokens), "max_prompt_tokens": str(max_prompt_tokens),
+            "seed": str(seed), "vocab_size": str(target.vocab_size), "shard_size": str(shard_size),
+            "greedy": str(greedy), "compute_dtype": str(target.dtype).removeprefix("torch.")}
+    _check_settings(folder, meta)
     draft = make_drafter(drafter, target) if drafter else None
     verifier = make_verifier("rejection")
     shards = range((num_prompts + shard_size - 1) // shard_size)
@@ -117,7 +124,7 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
         answers: dict[int, list[int]] = {}
         for lo in range(0, len(order), batch):
             part = order[lo: lo + batch]
-            reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i), seed=seed * 1_000_003 + i))
+            reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i, greedy), seed=seed * 1_000_003 + i))
                     for i in part]
             with torch.inference_mode():
                 out = run(target, draft, verifier, reqs, k=k)
@@ -128,21 +135,33 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
             "tokens": torch.cat(seqs).to(id_dtype), "offsets": lengths.cumsum(0),
             "response_start": torch.tensor([len(prompts[i]) for i in ids], dtype=torch.int32),
             "prompt_id": torch.tensor(ids, dtype=torch.int32),
-            "temperature": torch.tensor([_setting(i)[0] for i in ids], dtype=torch.float32),
-            "top_p": torch.tensor([_setting(i)[2] for i in ids], dtype=torch.float32),
+            "temperature": torch.tensor([_setting(i, greedy)[0] for i in ids], dtype=torch.float32),
+            "top_p": torch.tensor([_setting(i, greedy)[2] for i in ids], dtype=torch.float32),
         }
-        meta = {"max_new_tokens": str(max_new_tokens), "max_prompt_tokens": str(max_prompt_tokens),
-                "seed": str(seed), "vocab_size": str(target.vocab_size)}
         tmp = _shard(folder, s).with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata=meta)
         tmp.replace(_shard(folder, s))
     return folder
 
 
-def _setting(prompt_id: int) -> tuple[float, int, float]:
-    """(temperature, top_k, top_p) of a prompt: :data:`TEMPERATURES` round-robin by id."""
-    t, p = TEMPERATURES[prompt_id % len(TEMPERATURES)]
+def _setting(prompt_id: int, greedy: bool = False) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) of a prompt: greedy, or :data:`TEMPERATURES` round-robin by id."""
+    t, p = (0.0, 1.0) if greedy else TEMPERATURES[prompt_id % len(TEMPERATURES)]
     return t, 0, p
+
+
+def _check_settings(folder: Path, meta: dict[str, str]) -> None:
+    """Refuse to extend a corpus folder whose shards were made with other settings. Shards made before
+    a setting was recorded are read at its old value (shard size 64, mixed temperatures, fp32)."""
+    first = next(iter(sorted(folder.glob("shard-*.safetensors"))), None)
+    if first is None:
+        return
+    with safe_open(str(first), framework="pt") as f:
+        old = {"shard_size": "64", "greedy": "False", "compute_dtype": "float32", **(f.metadata() or {})}
+    differ = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
+    if differ:
+        raise ValueError(f"{folder} holds shards made with other settings (theirs, these): {differ}; "
+                         "use another folder or the same settings")
 
 
 def read_corpus(folder: str | Path) -> Iterator[CorpusSeq]:
