@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.paths import write_json_whole
 from specdec.provenance import cpu_model
 from specdec.timing import Stopwatch, now
 
@@ -576,14 +577,7 @@ def autotune(model: nn.Module, packed: bool = True, force: bool = False) -> Plan
               "times_s": {str(r): t for r, t in times.items()},
               "spreads": {str(r): t for r, t in getattr(times, "spreads", {}).items()},
               "conditions": conditions, "measured": conditions["measured"]}
-    path = cache_file(pkey)
-    try:  # written whole, then moved into place: a reader never sees half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: the plan still holds in this process
-        pass
+    write_json_whole(cache_file(pkey), record)  # a read-only home: the plan still holds in this process
     return plan
 
 

@@ -8,9 +8,12 @@ package too and are found by their folder name (:func:`specdec.models.resolve_ch
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["REPO_ROOT", "repo_path"]
+__all__ = ["REPO_ROOT", "repo_path", "write_json_whole"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The folder above the package: the repository root of a checkout (an editable install)."""
@@ -25,3 +28,17 @@ def repo_path(path: str | Path) -> Path:
         return p
     rooted = REPO_ROOT / p
     return rooted if rooted.exists() else p
+
+
+def write_json_whole(path: Path, record: Any) -> bool:
+    """Write ``record`` as JSON to ``path`` whole: to a file of this process first, then moved into
+    place, so a reader (another process tuning the same machine) never sees half a file. False when
+    the folder cannot be written (a read-only home): a cached choice then holds in this process only."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True

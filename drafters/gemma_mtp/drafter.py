@@ -143,13 +143,18 @@ class GemmaMTPDrafter(Drafter):
         masks = self._masks(cache)
         out = a.model(inputs_embeds=x, attention_mask={t: masks[t] for t in set(self.text_config.layer_types)},
                       position_ids=cache.lengths.unsqueeze(1), shared_kv_states=kv, use_cache=False)
-        y = out.last_hidden_state[:, 0]
+        return self._outputs(out.last_hidden_state[:, 0], hidden.dtype)
+
+    def _outputs(self, y: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The assistant's logits (float32) and its next hidden state (``dtype``) from its last layer's
+        output ``y`` [B, d]: the ordered-embedding head where the checkpoint has one."""
+        a = self.assistant
         if a.config.use_ordered_embeddings:
             me = a.masked_embedding
             logits = sparse_logits(y, me.centroids, me.token_ordering, a.lm_head.weight, me.centroid_intermediate_top_k)
         else:
             logits = a.lm_head(y)
-        return logits.float(), a.post_projection(y).to(hidden.dtype)
+        return logits.float(), a.post_projection(y).to(dtype)
 
     def _captured_step(self, cache: KVStore, tokens: Tensor, hidden: Tensor, mode: str) -> tuple[Tensor, Tensor]:
         """:meth:`step`, captured (:mod:`specdec.capture`): the masks over the whole capacity and the key
@@ -174,13 +179,7 @@ class GemmaMTPDrafter(Drafter):
         names = tuple(sorted(set(self.text_config.layer_types)))
         out = a.model(inputs_embeds=x, attention_mask=dict(zip(names, masks)), position_ids=positions,
                       shared_kv_states=kv, use_cache=False)
-        y = out.last_hidden_state[:, 0]
-        if a.config.use_ordered_embeddings:
-            me = a.masked_embedding
-            logits = sparse_logits(y, me.centroids, me.token_ordering, a.lm_head.weight, me.centroid_intermediate_top_k)
-        else:
-            logits = a.lm_head(y)
-        return logits.float(), a.post_projection(y).to(hidden.dtype)
+        return self._outputs(out.last_hidden_state[:, 0], hidden.dtype)
 
     def propose(self, state: GemmaMTPState, k: int, rows: RowSampling) -> DraftProposal:
         tokens, qs, all_logits = [], [], []

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from specdec.kernels.dispatch import backend_for, requested
+from specdec.paths import write_json_whole
 from specdec.timing import measure
 
 __all__ = ["Choice", "call", "choice_key", "cache_folder", "device_name", "record", "last", "forget", "pow2", "seconds",
@@ -128,16 +129,9 @@ def _cached(key: Mapping[str, Any]) -> Choice | None:
 
 
 def _store(key: Mapping[str, Any], choice: Choice) -> None:
-    path = cache_folder() / f"{_digest(key)}.json"
     record = {"key": dict(key), "backend": choice.backend, "triton_ms": choice.triton_ms,
               "torch_ms": choice.torch_ms, "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:  # written whole, then moved into place: a reader never sees half a file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    except OSError:  # a read-only home: the choice still holds in this process
-        pass
+    write_json_whole(cache_folder() / f"{_digest(key)}.json", record)  # unwritable: it holds in this process
 
 
 def seconds(path: str, fn: Callable[[], Any], device: torch.device) -> float:
