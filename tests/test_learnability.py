@@ -55,7 +55,7 @@ RECIPES = {
                 dict(layers=1, intermediate=128, features=2, block=4, anchors=16, eval_anchors=16, loss="kl",
                      selector_rank=8, selector_top_k=4), 3),
     "dspark": ("dspark", "specdec.drafters.dspark.train.DSparkRecipe",
-               dict(layers=1, intermediate=128, features=2, block=4, anchors=16, eval_anchors=16, markov_rank=8), 4),
+               dict(layers=1, intermediate=128, features=2, block=4, anchors=32, eval_anchors=16, markov_rank=8), 4),
 }
 STEPS, LR = 500, 1e-2
 
