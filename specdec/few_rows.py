@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.paths import write_json_whole
+from specdec.paths import cache_root, write_json_whole
 from specdec.provenance import cpu_model
 from specdec.timing import Stopwatch, now
 
@@ -452,7 +452,7 @@ def choose(times: Mapping[int, Mapping[str, float]]) -> Plan:
 
 def cache_folder() -> Path:
     """Where tuned plans are kept: ``$SPECDEC_CACHE/few_rows`` (default ``~/.cache/specdec/few_rows``)."""
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "few_rows"
+    return cache_root() / "few_rows"
 
 
 def plan_key(model: nn.Module, packed: bool = True, threads: int | None = None) -> dict[str, Any]:

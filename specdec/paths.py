@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO_ROOT", "repo_path", "write_json_whole"]
+__all__ = ["REPO_ROOT", "cache_root", "repo_path", "write_json_whole"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 """The folder above the package: the repository root of a checkout (an editable install)."""
@@ -28,6 +28,12 @@ def repo_path(path: str | Path) -> Path:
         return p
     rooted = REPO_ROOT / p
     return rooted if rooted.exists() else p
+
+
+def cache_root() -> Path:
+    """Where this machine's measured choices are cached (the few-row plan, the kernel choices):
+    ``$SPECDEC_CACHE``, else ``~/.cache/specdec``."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
 def write_json_whole(path: Path, record: Any) -> bool:

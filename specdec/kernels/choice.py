@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -42,7 +41,7 @@ import torch
 from torch import Tensor
 
 from specdec.kernels.dispatch import backend_for, requested
-from specdec.paths import write_json_whole
+from specdec.paths import cache_root, write_json_whole
 from specdec.timing import measure
 
 __all__ = ["Choice", "call", "choice_key", "cache_folder", "device_name", "record", "last", "forget", "pow2", "seconds",
@@ -77,7 +76,7 @@ def pow2(n: int) -> int:
 
 def cache_folder() -> Path:
     """Where choices are kept: ``$SPECDEC_CACHE/kernels`` (default ``~/.cache/specdec/kernels``)."""
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "kernels"
+    return cache_root() / "kernels"
 
 
 def _version(pkg: str) -> str | None:
