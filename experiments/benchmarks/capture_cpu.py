@@ -17,10 +17,9 @@ import statistics
 import torch
 
 import specdec
-from specdec.loop import Request, run
+from benchmarks.ar_ratio import fixed_prompt, generate_tokens_per_s, library_tokens_per_s
 from specdec.target import Target
 from specdec.timing import now
-from specdec.verifiers import GreedyVerifier
 
 MODES = ("eager", "graphs", "compile")
 
@@ -34,22 +33,13 @@ def compare_modes(model: str = "smollm2-135m", prompt_tokens: int = 64, new: int
     base = specdec.load_target(model, capture="eager")
     modes = list(modes or MODES)
     targets = {m: base if m == "eager" else Target(base.model, base.tokenizer, capture=m) for m in modes}
-    prompt = [(7 * i + 11) % 5000 + 100 for i in range(prompt_tokens)]
+    prompt = fixed_prompt(prompt_tokens)
 
     def library(t: Target) -> float:
-        start = now()
-        res = run(t, None, GreedyVerifier(), [Request(list(prompt), new)], eos_token_ids=set())
-        assert len(res.requests[0].tokens) == new
-        return new / (now() - start)
+        return library_tokens_per_s(t, prompt, new)
 
     def hf() -> float:
-        ids = torch.tensor([prompt])
-        start = now()
-        with torch.inference_mode():
-            out = base.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False)
-        assert out.shape[1] == len(prompt) + new
-        return new / (now() - start)
+        return generate_tokens_per_s(base.model, prompt, new)
 
     def block_ms(t: Target, reps: int = 10) -> float:
         s = t.new_session(1, reserve=len(prompt) + block * (reps + 2))
