@@ -120,6 +120,8 @@ def test_config_refuses_bad_values():
         load_recipe("specdec.training.trainer.TrainResult", {})
     with pytest.raises(TypeError):  # unknown options fail
         load_recipe(RECIPES["eagle3"][0], {"draft_vocabulary": 8})
+    with pytest.raises(ValueError, match="profile_step"):
+        TrainConfig(recipe="x", out="x", optim=OptimConfig(steps=3), profile_step=4)
 
 
 # --- data: one pipeline, one held-out rule -------------------------------------------------------------
@@ -209,6 +211,22 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tiny_target, tmp_p
     with pytest.raises(ValueError, match="other settings"):
         train(tiny_config(tmp_path / "b", "eagle3", optim=OptimConfig(**{**optim, "lr": 1e-3}), resume=True),
               target=tiny_target)
+
+
+def test_a_profiled_step_writes_its_operator_table_and_trains_as_any_other(tiny_target, tmp_path, cache):
+    """profile_step=2 of 3: the same weights to the bit as the unprofiled run, the step's table
+    (the loss's matrix products among its operators) in the work folder, and its wall time
+    recorded apart, so a timed loop can leave it out."""
+    optim = OptimConfig(steps=3, batch=2, lr=5e-3)
+    plain = train(tiny_config(tmp_path / "a", "eagle3", optim=optim), target=tiny_target)
+    cfg = tiny_config(tmp_path / "b", "eagle3", optim=optim, profile_step=2)
+    profiled = train(cfg, target=tiny_target)
+    a, b = plain.model.state_dict(), profiled.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    table = (Path(cfg.work) / "profile-step2.txt").read_text()
+    assert table.startswith(f"{cfg.recipe} step 2, batch 2, cpu") and "aten::mm" in table and "Self CPU" in table
+    assert 0 < profiled.part["profile_seconds"] < profiled.part["loop_seconds"] and plain.part["profile_seconds"] == 0
+    assert not list(Path(plain.record.config["work"]).glob("profile-step*"))
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -644,18 +644,19 @@ def timed_train(cfg, target) -> tuple[Any, float, str]:
 
     result = train(cfg, target=target)
     part = result.part
-    return result.record, part["loop_seconds"] - part["eval_seconds"], \
-        "the training loop alone (start-up and evaluation excluded)"
+    return result.record, part["loop_seconds"] - part["eval_seconds"] - part.get("profile_seconds", 0.0), \
+        "the training loop alone (start-up, evaluation and the profiled step excluded)"
 
 
-def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
+def bench_train(device: str, dry: bool, budget: Budget, attention: str | None = None) -> dict[str, Any]:
     """The EAGLE-3 recipe (experiments/conf/train/smollm2_eagle3.yaml, with learning_curves.py's
     options) through the one trainer on the committed corpus at 10x the CPU recipe's sequences,
     target features computed per batch on the device. Timed in two parts with the trainer's own
     stop-and-resume: the first ``first`` steps (allocator, kernel selection), then as many of the
     rest as fit, at the rate of the first part's training loop (start-up and held-out evaluation
     left out, as the trainer records each part), in the section's ``seconds`` (90) and the run's
-    budget, whichever ends first."""
+    budget, whichever ends first. ``attention``: the TTT attention (``Eagle3Options.attention``: split,
+    sdpa or flex) instead of the recipe's."""
     import tempfile
 
     import yaml  # a dependency of transformers
@@ -669,9 +670,11 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
                                        for o in OPTIONS["eagle3"]}}
     if dry:
         options.update(draft_vocab=64)
+    if attention:
+        options.update(attention=attention)
     target = smollm2_shaped(device, dry)
     with tempfile.TemporaryDirectory() as tmp:
-        def config(stop_after: int | None, resume: bool) -> TrainConfig:
+        def config(stop_after: int | None, resume: bool, profile_step: int = 0) -> TrainConfig:
             optim = {k: v for k, v in recipe["optim"].items()}
             optim.update(batch=t["batch"], steps=t["steps"], stop_after=stop_after, bf16=not dry)
             data = DataConfig(source="corpus", path=str(CORPUS), use=t["use"], max_prompt=64, max_len=t["max_len"],
@@ -679,9 +682,11 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             return TrainConfig(recipe=recipe["recipe"], options=options, target=None, data=data,
                                optim=OptimConfig(**optim), out=f"{tmp}/out", work=f"{tmp}/work", seed=0,
                                threads=1 if dry else min(8, os.cpu_count() or 1), resume=resume, log_every=10,
-                               eval_sequences=t["eval"], progress=False)
+                               eval_sequences=t["eval"], progress=False, profile_step=profile_step)
 
-        first, first_s, what = timed_train(config(t["first"], False), target)
+        # the first part's last step runs under torch.profiler (left out of its rate): one warm step's operators
+        first, first_s, what = timed_train(config(t["first"], False, profile_step=t["first"]), target)
+        profile = (Path(tmp) / "work" / f"profile-step{t['first']}.txt").read_text()
         parts = [{"steps": t["first"], "seconds": first_s, "tokens": first.tokens,
                   "response_tokens": first.response_tokens, "positions": first.positions, "what": what}]
         record, rest = first, t["steps"] - t["first"]
@@ -710,7 +715,8 @@ def bench_train(device: str, dry: bool, budget: Budget) -> dict[str, Any]:
             "response_tokens_per_s": steady["response_tokens"] / steady["seconds"],
             "positions": record.positions, "positions_per_token": record.positions_per_token,
             "positions_per_s": steady["positions"] / steady["seconds"], "rate_from": steady["what"],
-            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "profile": profile}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -799,6 +805,9 @@ def markdown(results: dict[str, Any], env: dict[str, Any]) -> str:
         out += [f"| {i + 1} | {p['steps']} | {p['seconds']:.1f} | {p['tokens']} | {p['tokens'] / p['seconds']:.0f} "
                 f"| {p['response_tokens'] / p['seconds']:.0f} | {p['positions'] / p['seconds']:.0f} | {p['what']} |"
                 for i, p in enumerate(tr["parts"])]
+        if tr.get("profile"):
+            out += ["", f"One warm step (step {tr['parts'][0]['steps']}) under `torch.profiler`, operators by self time"
+                        " (`specdec.training.profile`):", "", "```", tr["profile"].rstrip(), "```"]
         out.append("")
     if results.get("kernel_choices"):
         out += ["## The path each kernel took (all sections)", "",
@@ -889,10 +898,11 @@ def _save(fig, path: Path) -> str:
 
 
 def kit(out: str, dry_run: bool = False, budget_s: float = 360.0, sections: str = "kernels,forward,planted,mtp,train",
-        p: float = 0.8, k: int = 4) -> None:
+        p: float = 0.8, k: int = 4, train_attention: str | None = None) -> None:
     """Mode ``gpu`` (the kit): each section named in ``sections`` into ``out``, within ``budget_s``
     counted from process start; ``dry_run``: CPU, tiny shapes, Triton's interpreter; ``p`` and ``k``:
-    the planted run's acceptance per position and draft length."""
+    the planted run's acceptance per position and draft length; ``train_attention``: the training
+    section's TTT attention (split, sdpa, flex) instead of the recipe's."""
     out = Path(out)
     if not dry_run and not torch.cuda.is_available():
         sys.exit("no GPU visible to torch: pass --dry-run for the CPU run")
@@ -962,7 +972,7 @@ def kit(out: str, dry_run: bool = False, budget_s: float = 360.0, sections: str 
                 torch.cuda.empty_cache()
     section("mtp", lambda: native_mtp(device, dry_run, budget))
     if "train" in sections and budget.allows("train", 15.0 if dry_run else TRAIN["real"]["seconds"]):
-        section("train", lambda: bench_train(device, dry_run, budget))
+        section("train", lambda: bench_train(device, dry_run, budget, train_attention))
     try:
         results["figures"] = figures(results, out)
     except Exception as e:  # noqa: BLE001  (the figures are a convenience: the results are written anyway)
@@ -985,8 +995,10 @@ def main() -> None:
     ap.add_argument("--sections", default="kernels,forward,planted,mtp,train")
     ap.add_argument("--p", type=float, default=0.8, help="planted acceptance per position")
     ap.add_argument("--k", type=int, default=4, help="draft length of the planted run")
+    ap.add_argument("--train-attention", choices=("split", "sdpa", "flex"),
+                    help="the training section's TTT attention (default: the recipe's)")
     args = ap.parse_args()
-    kit(args.out, args.dry_run, args.budget_s, args.sections, args.p, args.k)
+    kit(args.out, args.dry_run, args.budget_s, args.sections, args.p, args.k, args.train_attention)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ class TrainConfig:
     eval_sequences: int | None = None  # held-out sequences evaluated (None: all)
     log_every: int = 20  # training figures recorded every N steps
     progress: bool | None = None  # tqdm bar; None: only when stdout is a terminal
+    profile_step: int = 0  # profile this step of the schedule (1-based; 0: none) into <work>/profile-step<N>.txt
 
     def __post_init__(self) -> None:
         if not self.recipe:
@@ -118,3 +119,6 @@ class TrainConfig:
             self.work = self.out.rstrip("/") + "-work"
         if self.threads < 1 or self.log_every < 1 or self.save_every < 0 or self.eval_every < 0:
             raise ValueError("threads and log_every must be >= 1, save_every and eval_every >= 0")
+        if not 0 <= self.profile_step <= self.optim.steps:
+            raise ValueError(f"profile_step must lie in [0, optim.steps={self.optim.steps}] (0: none), "
+                             f"got {self.profile_step}")

@@ -51,6 +51,7 @@ from specdec.provenance import command_line, git_dirty, git_sha, versions
 from specdec.target import Target
 from specdec.training.config import TrainConfig
 from specdec.training.data import Batch, TrainData, load_data
+from specdec.training.profile import profiled
 from specdec.training.recipe import Metric, Recipe, StepOutput, load_recipe
 
 __all__ = ["lr_at", "train", "TrainResult", "TrainingRecord", "RECORD_FILE", "STATE_FILE"]
@@ -355,7 +356,8 @@ def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> Trai
             setattr(progress, k, getattr(progress, k) + int(counts[k]))
             pending[k] = 0
 
-    for step in bar:
+    def train_step(step: int) -> None:
+        nonlocal grad_norm
         lr = lr_at(step, o.steps, o.lr, o.warmup, o.min_lr)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -374,6 +376,18 @@ def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> Trai
             meter.add(out)
         grad_norm = acc.clip_grad_norm_(params, o.clip)
         opt.step()
+
+    profile_s = 0.0
+    for step in bar:
+        lr = lr_at(step, o.steps, o.lr, o.warmup, o.min_lr)
+        if step + 1 == cfg.profile_step and acc.is_main_process:
+            path = Path(cfg.work) / f"profile-step{step + 1}.txt"
+            with profiled(acc.device, path, f"{cfg.recipe} step {step + 1}, batch {o.batch}, {acc.device}") as took:
+                train_step(step)
+            profile_s += took["seconds"]
+            log.info("profiled step %d: %s", step + 1, path)
+        else:
+            train_step(step)
         progress.step = step + 1
         logging_now = progress.step % cfg.log_every == 0 or progress.step == stop
         evaluating = progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0)
@@ -403,7 +417,8 @@ def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> Trai
     if first == stop:  # resumed at the end: nothing left to train
         held = evaluate(recipe, model, data, cfg, acc)
     progress.parts.append({"command": command, "revision": git_sha(), "steps": [first, stop],
-                           "loop_seconds": round(time.time() - t_loop, 3), "eval_seconds": round(eval_s, 3)})
+                           "loop_seconds": round(time.time() - t_loop, 3), "eval_seconds": round(eval_s, 3),
+                           "profile_seconds": round(profile_s, 3)})
     if stop < o.steps:  # stopped early on purpose: keep what a resumed run needs
         save_state()
 
