@@ -792,6 +792,7 @@ def render_page(record: dict[str, Any], name: str) -> str:
         lines += [record["question"], ""]
     lines += [f"- command: `{p['command']}`", f"- git: {p['git']}", f"- machine: {p['machine']}", f"- date: {p['date']}",
               *([f"- settings: {p['settings']}"] if p.get("settings") else []),
+              *([f"- earlier curves: {p['earlier']}"] if p.get("earlier") else []),
               f"- record: [`{name}.json`]({name}.json)" + (f", {record['source']}" if record.get("source") else ""),
               f"- rendered by: `python experiments/report.py --page docs/results/{name}.md`", ""]
     tables = list(record.get("tables", []))

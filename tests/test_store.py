@@ -293,6 +293,38 @@ def test_a_lever_runs_beside_the_plain_curve_with_its_overrides_last(tmp_path):
     assert list(collect(tmp_path, ("eagle3", "mtp"))) == ["eagle3", "eagle3@ttt3", "mtp"]
 
 
+def test_a_report_keeps_the_earlier_records_curves_that_its_runs_do_not_hold(tmp_path):
+    """A variant rerun beside curves recorded earlier: the page's record keeps those curves (each
+    family's plain curve first, then its levers) and names where they came from; a curve the runs
+    hold replaces its earlier points."""
+    curves = _curves()
+    decoded = {n: {"mean_accepted_length": 1.5, "acceptance_at": [0.4, 0.1]} for n in ("mtbench", "humaneval")}
+
+    def point(tokens: int, command: str) -> dict:
+        return {"tokens": tokens, "steps": 2, "wall_seconds": 1.0, "held_out": {}, "command": command,
+                "decoded": decoded}
+
+    page = tmp_path / "docs" / "curves.md"
+    page.parent.mkdir()
+    page.with_suffix(".json").write_text(json.dumps({
+        "title": "t", "provenance": {"command": "old report", "git": "abc1234", "date": "2026-12-03", "machine": "m"},
+        "curves": {"eagle3": [point(100, "old eagle3")], "mtp": [point(100, "old mtp")],
+                   "eagle3@ttt3": [point(100, "old ttt3")]}}))
+    runs = tmp_path / "runs"
+    for name in ("eagle3@dense", "eagle3@ttt3"):
+        (runs / name / "p0").mkdir(parents=True)
+        (runs / name / "p0" / "training.json").write_text(json.dumps(
+            {"tokens": 200, "steps": 3, "wall_seconds": 2.0, "held_out": {}, "command": f"new {name}"}))
+        (runs / name / "p0" / "decoded.json").write_text(json.dumps(decoded))
+    curves.report(str(runs), ["eagle3", "mtp"], str(page))
+    record = json.loads(page.with_suffix(".json").read_text())
+    assert list(record["curves"]) == ["eagle3", "eagle3@dense", "eagle3@ttt3", "mtp"]
+    assert record["curves"]["eagle3@ttt3"][0]["command"] == "new eagle3@ttt3"  # the runs' points replace the earlier
+    assert record["curves"]["eagle3"][0]["command"] == "old eagle3"
+    assert record["provenance"]["earlier"].startswith("eagle3, mtp kept from the earlier record (git abc1234, 2026-12-03")
+    assert "- earlier curves: eagle3, mtp kept" in page.read_text() and page.with_suffix(".png").is_file()
+
+
 def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_resumes(tmp_path, monkeypatch):
     import specdec.api
 

@@ -207,7 +207,9 @@ CURVES_QUESTION = (
 def report(runs: str, families: list[str], out: str) -> None:
     """The record of the curves found in ``runs`` (``<out>.json``: every point's tokens, steps, wall
     time, held-out figures, decoded figures and command, with the provenance), then its page and figure
-    rendered from it by the one renderer (``experiments/report.py``)."""
+    rendered from it by the one renderer (``experiments/report.py``). A curve of the page's earlier
+    record that ``runs`` does not hold is kept, named in the provenance with the record it came from:
+    a lever rerun beside it does not erase the points it is compared with."""
     from report import write_page  # experiments/: the renderer
 
     from specdec.provenance import cpu_model, git_sha
@@ -215,6 +217,9 @@ def report(runs: str, families: list[str], out: str) -> None:
     data = collect(Path(runs), tuple(families))
     page = Path(out).with_suffix(".md")
     page.parent.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(page.with_suffix(".json").read_text()) if page.with_suffix(".json").is_file() else None
+    kept = {n: pts for n, pts in (earlier or {}).get("curves", {}).items() if n not in data}
+    data = _ordered({**kept, **data}, families)
     first = next((p["command"] for pts in data.values() for p in pts), "")
     record = {"title": "Learning curves from the feature store", "question": CURVES_QUESTION,
               "provenance": {"command": command_line(), "git": (git_sha() or "unknown")[:7],
@@ -223,9 +228,24 @@ def report(runs: str, families: list[str], out: str) -> None:
                              "date": datetime.date.today().isoformat(),
                              "settings": f"{_store_dtype(first)}, {_training_precision(data)}, greedy"},
               "curves": data}
+    if kept:
+        e = earlier["provenance"]
+        record["provenance"]["earlier"] = (f"{', '.join(kept)} kept from the earlier record (git {e['git']}, {e['date']},"
+                                           f" {e['machine']}; `{e['command']}`)")
     page.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     for path in write_page(page):
         print(path)
+
+
+def _ordered(data: dict[str, list[dict[str, Any]]], families: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Each family's curve, then its levers by name, families in ``families``' order (others last)."""
+    rank = {f: i for i, f in enumerate(families)}
+
+    def key(name: str) -> tuple[int, int, str]:
+        family, _, variant = name.partition("@")
+        return rank.get(family, len(rank)), bool(variant), variant
+
+    return {n: data[n] for n in sorted(data, key=key)}
 
 
 def package(runs: Path, family: str, part: int, dest: Path, weights: bool = True,
@@ -319,15 +339,16 @@ def curves(runs: str, action: str = "run", store: str | None = None,
            dest: str | None = None, record_only: bool = False, best_k: int | None = None,
            best_k_measured: str = "") -> None:
     """Mode ``curves``: ``action`` run (train and decode every part: ``store``, ``runs``, ``points``;
-    ``variant`` with its Hydra ``overrides``: a lever tried on the families, beside their curves),
+    ``variant`` with its Hydra ``overrides``: a lever tried on the families, beside their curves; a
+    variant alone reruns the recipe as it is now beside a curve recorded earlier),
     report (the page ``out`` from ``runs``) or package (part ``part`` of ``family`` as the checkpoint
     folder ``dest``; ``record_only``: no weights; ``best_k`` with ``best_k_measured``: the fastest k and
     what measured it). Every option is checked before any work."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise SystemExit(f"unknown families {unknown}: {list(FAMILIES)}")
-    if bool(variant) != bool(overrides):
-        raise SystemExit("variant and overrides go together: a lever has a name and its overrides")
+    if overrides and not variant:  # they would train into the family's own curve
+        raise SystemExit("overrides need a variant: a lever has a name, beside the family's curve")
     if action == "package":
         if family not in FAMILIES or part is None or not dest:
             raise SystemExit(f"package needs family (one of {list(FAMILIES)}), part and dest")
