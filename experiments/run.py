@@ -71,6 +71,7 @@ LAB_MODES: dict[str, str] = {
     "eagle3_chain_estimate": "benchmarks.eagle3_chain_estimate:estimate",
     "eagle3_serving": "benchmarks.eagle3_serving:serve",
     "curves": "benchmarks.learning_curves:curves",
+    "ceiling": "benchmarks.ceiling:ceiling",
     "store": "benchmarks.store_fill:fill",
     "corpus": "generate_corpus:grow",
     "preset_steps": "benchmarks.preset_steps:table",

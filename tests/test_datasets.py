@@ -95,6 +95,8 @@ def test_humaneval_has_164_prompts():
     _need("humaneval")
     samples = load_dataset(DatasetConfig(name="humaneval", num_prompts=1000, output_len=32))
     assert len(samples) == 164 and samples[0].id == "HumanEval/0" and "def " in samples[0].turns[0]
+    later = load_dataset(DatasetConfig(name="humaneval", num_prompts=12, skip=70, output_len=32))
+    assert [s.id for s in later] == [f"HumanEval/{i}" for i in range(70, 82)]  # a later slice, in file order
 
 
 def test_specbench_reads_a_question_file(tmp_path):
@@ -120,6 +122,10 @@ def test_bad_dataset_configs_fail_early():
         DatasetConfig(name="specbench")
     with pytest.raises(ValueError, match="sharegpt only"):
         DatasetConfig(name="mtbench", output_len=None)
+    with pytest.raises(ValueError, match="skip"):
+        DatasetConfig(name="sharegpt", skip=3)
+    with pytest.raises(ValueError, match="skip"):
+        DatasetConfig(name="mtbench", skip=-1)
 
 
 def test_copy_prompts_are_text_turns():

@@ -506,6 +506,12 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
         assert cfg.init == reads, (i, part)
         reads = cfg.out
     assert reads == f"experiments/checkpoints/{folder}"  # the last writes to this folder
+    # run today, the last command trains the recorded recipe: a default changed since names the old value
+    recorded = record.config
+    assert "recipe" in recorded or folder == "tiny-deepseek-v3-mtp"  # that one recorded its own trainer's config
+    if "recipe" in recorded:
+        assert trainer._with_defaults(cfg.recipe, cfg.options) == \
+            trainer._with_defaults(recorded["recipe"], recorded["options"]), chain[-1]
 
 
 def test_entry_point_trains_and_records_its_command(tmp_path):

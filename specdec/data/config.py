@@ -51,6 +51,7 @@ class DatasetConfig:
     name: str = "random"  # one of DATASETS
     path: str | None = None  # sharegpt / specbench file; None = the offline package (sharegpt only)
     num_prompts: int = 8  # first N after filtering (and shuffling, if asked)
+    skip: int = 0  # benchmark files (mtbench, specbench, humaneval, copy): leave out the first N, then take num_prompts
     output_len: int | None = 64  # max new tokens per turn; sharegpt: None = the recorded reply's length
     input_len: int = 128  # random and stdlib: prompt tokens
     range_ratio: float = 1.0  # random only: lengths uniform in [ratio * len, len], as SGLang's "random"
@@ -74,6 +75,9 @@ class DatasetConfig:
             raise ValueError(f"dataset.turns must be >= 1, got {self.turns}")
         if self.repeats < 1:
             raise ValueError(f"dataset.repeats must be >= 1, got {self.repeats}")
+        if self.skip < 0 or (self.skip and self.name not in ("mtbench", "specbench", "humaneval", "copy")):
+            raise ValueError(f"dataset.skip={self.skip}: a count of a benchmark file's items (mtbench, specbench, "
+                             f"humaneval, copy), >= 0; {self.name!r} has none")
         if self.output_len is None and self.name != "sharegpt":
             raise ValueError("dataset.output_len=None (the recorded reply's length) exists for sharegpt only")
         if self.name == "specbench" and not self.path:

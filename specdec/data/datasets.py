@@ -223,4 +223,4 @@ def _load(cfg: DatasetConfig, tokenizer, vocab_size: int | None, seed: int) -> l
         raise ValueError(f"unknown dataset {cfg.name!r}")
     if rng is not None:
         rng.shuffle(samples)
-    return samples[: cfg.num_prompts]
+    return samples[cfg.skip: cfg.skip + cfg.num_prompts]
