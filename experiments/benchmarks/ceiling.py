@@ -180,8 +180,9 @@ def run(store: str, runs: str, arms: list[str], tokens: int, batch: int, eval_se
                 data = _overfit_data(target, folder, asked, max_new_tokens)
                 cmd = part_command(arm.family, store, runs, 0, 0, 1, overfit_steps, batch, eval_sequences, threads,
                                    bf16=bf16)
-                cmd += ["data.store=null", "data.source=distill", f"data.path={data}", "data.use=null", "data.max_prompt=null",
-                        "data.held_out_every=1000003"]  # whole prompts, as decoded; every sequence trained (none hashes to 0 mod a large prime)
+                # whole prompts, as decoded; every sequence trained (none hashes to 0 modulo a large prime)
+                cmd += ["data.store=null", "data.source=distill", f"data.path={data}", "data.use=null",
+                        "data.max_prompt=null", "data.held_out_every=1000003"]
                 meta.update(steps=overfit_steps, data=str(data))
             else:
                 use, steps, got = arm_plan(rows, arm, tokens, batch)
