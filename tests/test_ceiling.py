@@ -90,7 +90,7 @@ def test_the_runner_trains_each_arm_into_its_own_folder_decodes_it_and_resumes(t
     monkeypatch.setattr(c.subprocess, "run", fake_train)
     monkeypatch.setattr(specdec.api, "load_target", lambda name: "target")
     monkeypatch.setattr(c, "held_out_prompts", lambda target, n: {"mtbench": [[1, 2]]})
-    monkeypatch.setattr(c, "_store_rows", lambda store: ROWS)
+    monkeypatch.setattr(c, "store_rows", lambda store: ROWS)
     monkeypatch.setattr(c, "_overfit_data", lambda target, folder, asked, n: folder / "overfit-data.safetensors")
     monkeypatch.setattr(c, "_zero_features", lambda src, dest: dest.mkdir(parents=True, exist_ok=True) or dest)
     monkeypatch.setattr(c, "decode", fake_decode)

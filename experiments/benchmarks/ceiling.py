@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.learning_curves import decode, held_out_prompts, part_command, parts
+from benchmarks.learning_curves import decode, held_out_prompts, part_command, parts, store_rows
 from specdec.provenance import command_line
 
 __all__ = ["ARMS", "Arm", "arm_plan", "ceiling", "QUESTION"]
@@ -83,14 +83,6 @@ ARMS: dict[str, Arm] = {
     "overfit": Arm("the over-fit bound: trained on the held-out prompts' own continuations", overfit=True),
     "overfit_mtp": Arm("the over-fit bound of the post-hoc MTP head", family="mtp", overfit=True),
 }
-
-
-def _store_rows(store: Path) -> tuple[list[int], list[bool], list[str]]:
-    """Tokens, held-out mark and source of every sequence of the store's finished shards, in order."""
-    from specdec.data.store import FeatureStore
-
-    s = FeatureStore(store)
-    return [int(q.tokens.numel()) for q in s.sequences], list(s.held), list(s.source)
 
 
 def arm_plan(rows: tuple[list[int], list[bool], list[str]], arm: Arm, tokens: int, batch: int
@@ -166,7 +158,7 @@ def run(store: str, runs: str, arms: list[str], tokens: int, batch: int, eval_se
     torch.set_num_threads(threads)
     target = load_target("smollm2-135m")
     asked = held_out_prompts(target, prompts)
-    rows = _store_rows(Path(store))
+    rows = store_rows(Path(store))
     for name in arms:
         arm = ARMS[name]
         out = folder / name

@@ -644,7 +644,7 @@ def timed_train(cfg, target) -> tuple[Any, float, str]:
 
     result = train(cfg, target=target)
     part = result.part
-    return result.record, part["loop_seconds"] - part["eval_seconds"] - part.get("profile_seconds", 0.0), \
+    return result.record, part["loop_seconds"] - part["eval_seconds"] - part["profile_seconds"], \
         "the training loop alone (start-up, evaluation and the profiled step excluded)"
 
 

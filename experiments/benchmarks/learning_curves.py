@@ -55,12 +55,18 @@ DRAFTER_OPTIONS: dict[str, dict[str, Any]] = {"eagle3": {"tree": "chain"}, "mtp"
                                               "dspark": {"scheduler": False}}
 
 
-def _store_lengths(store: Path) -> tuple[list[int], list[bool]]:
-    """Tokens and held-out mark of every sequence of the store's finished shards, in store order."""
+def store_rows(store: Path) -> tuple[list[int], list[bool], list[str]]:
+    """Tokens, held-out mark and source of every sequence of the store's finished shards, in order."""
     from specdec.data.store import FeatureStore
 
     s = FeatureStore(store)
-    return [int(q.tokens.numel()) for q in s.sequences], list(s.held)
+    return [int(q.tokens.numel()) for q in s.sequences], list(s.held), list(s.source)
+
+
+def _store_lengths(store: Path) -> tuple[list[int], list[bool]]:
+    """Tokens and held-out mark of every sequence of the store's finished shards, in store order."""
+    lengths, held, _ = store_rows(store)
+    return lengths, held
 
 
 def parts(lengths: list[int], held: list[bool], points: list[int]) -> list[tuple[int, int, int]]:

@@ -356,9 +356,8 @@ def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> Trai
             setattr(progress, k, getattr(progress, k) + int(counts[k]))
             pending[k] = 0
 
-    def train_step(step: int) -> None:
+    def train_step(step: int, lr: float) -> None:
         nonlocal grad_norm
-        lr = lr_at(step, o.steps, o.lr, o.warmup, o.min_lr)
         for g in opt.param_groups:
             g["lr"] = lr
         opt.zero_grad(set_to_none=True)
@@ -383,11 +382,11 @@ def _train(cfg: TrainConfig, command: str | None, target: Target | None) -> Trai
         if step + 1 == cfg.profile_step and acc.is_main_process:
             path = Path(cfg.work) / f"profile-step{step + 1}.txt"
             with profiled(acc.device, path, f"{cfg.recipe} step {step + 1}, batch {o.batch}, {acc.device}") as took:
-                train_step(step)
+                train_step(step, lr)
             profile_s += took["seconds"]
             log.info("profiled step %d: %s", step + 1, path)
         else:
-            train_step(step)
+            train_step(step, lr)
         progress.step = step + 1
         logging_now = progress.step % cfg.log_every == 0 or progress.step == stop
         evaluating = progress.step == stop or (cfg.eval_every and progress.step % cfg.eval_every == 0)
