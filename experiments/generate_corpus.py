@@ -19,6 +19,7 @@ import torch
 
 import specdec
 from specdec.data.corpus import corpus_stats, generate_corpus
+from specdec.host_memory import minor_faults, retain_freed_memory
 from specdec.timing import now
 
 ROOT = Path(__file__).resolve().parent
@@ -26,19 +27,25 @@ ROOT = Path(__file__).resolve().parent
 
 def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m", num_prompts: int = 8192,
          shard_size: int = 64, batch: int = 32, max_new_tokens: int = 256, drafter: str | None = None, k: int = 4,
-         threads: int = 1, seed: int = 0, greedy: bool = False, dtype: str = "float32", compare: int = 0) -> dict:
+         threads: int = 1, seed: int = 0, greedy: bool = False, dtype: str = "float32", compare: int = 0,
+         retain_memory: bool = True) -> dict:
     """Mode ``corpus``: answer ``num_prompts`` prompts in total with ``model`` (an alias or folder,
     computed in ``dtype``: bf16 is ~3x faster on CPUs with AMX or AVX512-BF16) into ``out``,
     ``shard_size`` prompts a file, ``batch`` requests decoded together (with ``drafter``, a lossless
     drafter at ``k``, e.g. ngram on a GPU); ``greedy``: every answer greedy (else mixed temperatures);
     ``seed``: prompt order and sampling seeds. ``compare`` = N > 0 writes nothing: it measures new
-    answer tokens/s of the committed corpus's settings and of these on the first N prompts."""
+    answer tokens/s of the committed corpus's settings and of these on the first N prompts.
+    ``retain_memory``: keep freed activations mapped (:mod:`specdec.host_memory`; in ``compare``,
+    from the second run on, so the first is the generator as it ran before)."""
     if dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"dtype {dtype!r}: float32 or bfloat16")
     torch.set_num_threads(threads)
     target = specdec.load_target(model, dtype=getattr(torch, dtype), threads=threads)
     if compare:
-        return _compare(model, target, compare, batch, greedy, dtype, max_new_tokens, seed, threads)
+        return _compare(model, target, compare, batch, shard_size, greedy, dtype, max_new_tokens, seed, threads,
+                        retain_memory)
+    if retain_memory:
+        retain_freed_memory()
     start = now()
     generate_corpus(target, Path(out), num_prompts, shard_size=shard_size, batch=batch,
                     max_new_tokens=max_new_tokens, drafter=drafter, k=k, seed=seed, greedy=greedy)
@@ -47,24 +54,29 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
     return stats
 
 
-def _compare(model: str, target, n: int, batch: int, greedy: bool, dtype: str, max_new_tokens: int, seed: int,
-             threads: int) -> dict:
-    """The committed corpus's settings (fp32, batch 32, shards of 64, mixed temperatures) then these,
-    on the same first ``n`` prompts, into temporary folders: new answer tokens per second of each."""
+def _compare(model: str, target, n: int, batch: int, shard_size: int, greedy: bool, dtype: str, max_new_tokens: int,
+             seed: int, threads: int, retain_memory: bool) -> dict:
+    """The committed corpus's settings (fp32, batch 32, shards of 64, mixed temperatures, malloc as it
+    comes) then these (shards of ``shard_size`` at most ``n``), on the same first ``n`` prompts, into
+    temporary folders: new answer tokens per second of each, and the page faults each took."""
     import tempfile
 
     old = specdec.load_target(model, dtype=torch.float32, threads=threads)
-    runs = {"before (fp32, batch 32, mixed temperatures)": (old, dict(batch=32, shard_size=64, greedy=False)),
-            f"after ({dtype}, batch {batch}, {'greedy' if greedy else 'mixed temperatures'})":
-                (target, dict(batch=batch, shard_size=max(batch, n), greedy=greedy))}
+    after = (f"after ({dtype}, batch {batch}, shards of {min(shard_size, n)}, "
+             f"{'greedy' if greedy else 'mixed temperatures'}{', freed memory kept' if retain_memory else ''})")
+    runs = {"before (fp32, batch 32, shards of 64, mixed temperatures)":
+                (old, dict(batch=32, shard_size=64, greedy=False)),
+            after: (target, dict(batch=batch, shard_size=min(shard_size, n), greedy=greedy))}
     out = {}
     for name, (t, settings) in runs.items():
+        if t is target and retain_memory:
+            retain_freed_memory()
         with tempfile.TemporaryDirectory() as d:
-            start = now()
+            faults, start = minor_faults(), now()
             generate_corpus(t, d, n, max_new_tokens=max_new_tokens, seed=seed, progress=False, **settings)
-            seconds = now() - start
+            seconds, faults = now() - start, minor_faults() - faults
             stats = corpus_stats(d)
         out[name] = {"response_tokens": stats["response_tokens"], "seconds": round(seconds, 1),
-                     "tokens_per_s": round(stats["response_tokens"] / seconds, 1)}
+                     "tokens_per_s": round(stats["response_tokens"] / seconds, 1), "minor_page_faults": faults}
     print(json.dumps(out, indent=1))
     return out

@@ -82,3 +82,26 @@ def test_a_folder_made_with_other_settings_is_refused_before_any_work(tmp_path):
         generate_corpus(target, tmp_path, num_prompts=70, greedy=True, progress=False)
     with pytest.raises(ValueError, match="shard_size"):
         generate_corpus(target, tmp_path, num_prompts=70, shard_size=128, progress=False)
+
+
+@pytest.mark.slow
+def test_the_generators_comparison_runs_both_settings_and_counts_their_page_faults(tmp_path):
+    """Mode ``corpus`` with ``compare``: the committed corpus's settings, then these with freed memory
+    kept (a child process: that setting is process-wide); nothing is written to ``out``."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "never"
+    run = subprocess.run([sys.executable, "experiments/run.py", "--config-name", "lab/corpus", "compare=2", "batch=2",
+                          "shard_size=2", "max_new_tokens=4", "greedy=true", "dtype=bfloat16", f"out={out}",
+                          f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=root, capture_output=True, text=True, check=True)
+    text = run.stdout
+    rows = json.loads(text[text.index("{"): text.rindex("}") + 1])
+    before, after = rows.values()
+    assert list(rows)[0].startswith("before (fp32") and "freed memory kept" in list(rows)[1]
+    for r in (before, after):
+        assert 0 < r["response_tokens"] <= 2 * 4 and r["tokens_per_s"] > 0 and r["minor_page_faults"] >= 0
+    assert not out.exists()
