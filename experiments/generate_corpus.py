@@ -5,7 +5,8 @@
     .venv/bin/python experiments/run.py --config-name lab/corpus out=outputs/corpus/smollm2-135m-greedy \
         greedy=true dtype=bfloat16 batch=64 shard_size=256 num_prompts=60000
     # tokens/s of these settings against the committed corpus's (fp32, batch 32, mixed temperatures):
-    .venv/bin/python experiments/run.py --config-name lab/corpus compare=64 greedy=true dtype=bfloat16 batch=64 threads=2
+    .venv/bin/python experiments/run.py --config-name lab/corpus compare=128 greedy=true dtype=bfloat16 batch=64 \
+        shard_size=256 threads=2
 
 Resumes at the first missing shard, so it can run in several parts; each shard is written whole.
 """
