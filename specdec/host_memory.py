@@ -10,8 +10,8 @@ faults in one 64-prompt run, and the prefill ran 1.8x faster with them gone.
 :func:`retain_freed_memory` asks malloc to serve every block from its heap and never to give the
 heap's top back: freed activations are reused in place. It is process-wide and one-way (the
 process's resident memory stays at its peak), so it belongs to long batched jobs (the corpus
-generator, the store fill), not to a library import. Other allocators (jemalloc, tcmalloc,
-musl) keep their own policy: the call then changes nothing and says so.
+generator calls it), not to a library import. Where the C library is not glibc (musl, say) the
+call changes nothing and returns False.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import json, torch
 from specdec.host_memory import minor_faults, retain_freed_memory
 def churn():  # a 64 MiB activation made and freed, as every layer of a batched forward does
     start = minor_faults()
-    for _ in range(8):
+    for _ in range(32):
         torch.empty(16 << 20, dtype=torch.float32).fill_(1.0)
     return minor_faults() - start
 churn()
@@ -29,6 +29,6 @@ def test_freed_activations_are_reused_without_page_faults():
     out = json.loads(subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True
                                     ).stdout.strip().splitlines()[-1])
     assert out["applied"] is True
-    pages = 8 * (64 << 20) // 4096
+    pages = 32 * (64 << 20) // 4096
     assert out["before"] > pages // 2, out  # glibc maps each block afresh: every page faults again
     assert out["after"] < out["before"] // 20, out

@@ -331,8 +331,8 @@ def test_the_curve_runner_reads_the_store_once_a_point_skips_finished_parts_and_
     curves = _curves()
 
     looks, ran = [], []
-    monkeypatch.setattr(curves, "_store_lengths", lambda store: looks.append(store) or (
-        [10] * 7, [False, True, False, False, False, False, False]))
+    monkeypatch.setattr(curves, "store_rows", lambda store: looks.append(store) or (
+        [10] * 7, [False, True, False, False, False, False, False], ["corpus"] * 7))
 
     def fake_train(cmd, check):  # the part's command writes its checkpoint's record
         ran.append(cmd)

@@ -63,12 +63,6 @@ def store_rows(store: Path) -> tuple[list[int], list[bool], list[str]]:
     return [int(q.tokens.numel()) for q in s.sequences], list(s.held), list(s.source)
 
 
-def _store_lengths(store: Path) -> tuple[list[int], list[bool]]:
-    """Tokens and held-out mark of every sequence of the store's finished shards, in store order."""
-    lengths, held, _ = store_rows(store)
-    return lengths, held
-
-
 def parts(lengths: list[int], held: list[bool], points: list[int]) -> list[tuple[int, int, int]]:
     """(skip, use, training tokens) of each part: consecutive store ranges whose training (not held-out)
     tokens add up to each point. A point the store cannot reach yet ends the list."""
@@ -154,7 +148,7 @@ def run(store: str, runs: str, families: list[str], points: list[int], batch: in
     target = asked = None
     for i, p in enumerate(points):
         while True:
-            lengths, held = _store_lengths(Path(store))  # once per look: it opens every shard
+            lengths, held, _ = store_rows(Path(store))  # once per look: it opens every shard
             plan = parts(lengths, held, points)
             if len(plan) > i:
                 break
