@@ -53,6 +53,7 @@ class Request:
     prompt: list[int]
     max_new_tokens: int = 64
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_repeat: int = 0  # N > 0: end the answer at the token that completes an N-gram it already wrote (a loop)
 
 
 @dataclass
@@ -83,6 +84,7 @@ def validate_requests(target: Target, drafter: Drafter | None, requests: list[Re
             raise ValueError(f"request {i}: empty prompt")
         r.prompt = as_token_ids(f"request {i}: prompt", r.prompt, target.vocab_size)
         r.max_new_tokens = as_int(f"request {i}: max_new_tokens", r.max_new_tokens, minimum=1)
+        r.stop_repeat = as_int(f"request {i}: stop_repeat", r.stop_repeat, minimum=0)
         if not isinstance(r.sampling, SamplingParams):
             raise TypeError(f"request {i}: sampling must be a SamplingParams, got {type(r.sampling).__name__}")
         need = len(r.prompt) + r.max_new_tokens + (k if drafter is not None else 0)
@@ -149,6 +151,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     clock, rm = _Clock(dev, timed), RunMetrics()
     metrics = [RequestMetrics(prompt_tokens=len(r.prompt)) for r in requests]
     outputs: list[list[int]] = [[] for _ in requests]
+    seen: list[set[tuple[int, ...]]] = [set() for _ in requests]  # each answer's N-grams (stop_repeat)
 
     t0 = clock()
     # the slots a dense run can reach: the longest prompt and new tokens, and a chain block past them
@@ -168,7 +171,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     )
     live = list(range(B))  # request index of each batch row
     committed_len = [len(r.prompt) for r in requests]  # each row's committed tokens, known on the host
-    active = _emit(first.tokens[:, :1].tolist(), [1] * B, live, outputs, requests, metrics, eos)
+    active = _emit(first.tokens[:, :1].tolist(), [1] * B, live, outputs, requests, metrics, eos, seen)
     t1 = clock()
     rm.prefill_s = t1 - t0
     bar.update(sum(len(o) for o in outputs))
@@ -236,7 +239,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
             # Slots off the path scatter into a spare column n+1, then dropped (duplicates would race).
             keep = torch.zeros(nb, n + 2, dtype=torch.bool, device=dev)
             target.commit(session, keep.scatter_(1, torch.where(in_path, order, n + 1), True)[:, : n + 1])
-        active = _emit([r[4:] for r in read], [a + 1 for a in accepted], live, outputs, requests, metrics, eos)
+        active = _emit([r[4:] for r in read], [a + 1 for a in accepted], live, outputs, requests, metrics, eos, seen)
         bar.update(sum(len(o) for o in outputs) - bar.n)
         for b, (i, r) in enumerate(zip(live, read)):
             metrics[i].record(r[1], r[0], r[2])
@@ -307,15 +310,22 @@ def _gather(h: Tensor, order: Tensor) -> Tensor:
 
 
 def _emit(tokens: list[list[int]], counts: list[int], live: list[int], outputs: list[list[int]],
-          requests: list[Request], metrics: list[RequestMetrics], eos: set[int]) -> list[bool]:
-    """Append each row's emitted tokens, stopping at EOS or the limit. Returns rows still active."""
+          requests: list[Request], metrics: list[RequestMetrics], eos: set[int],
+          seen: list[set[tuple[int, ...]]]) -> list[bool]:
+    """Append each row's emitted tokens, stopping at EOS, the limit or a repeated N-gram
+    (``stop_repeat``, whose earlier copies ``seen`` holds). Returns rows still active."""
     active = [True] * len(live)
     for b, (i, row, c) in enumerate(zip(live, tokens, counts)):
-        out, limit = outputs[i], requests[i].max_new_tokens
+        out, limit, n = outputs[i], requests[i].max_new_tokens, requests[i].stop_repeat
         for t in row[:c]:
             out.append(t)
-            if t in eos or len(out) >= limit:
-                metrics[i].finish_reason = "eos" if t in eos else "length"
+            repeat = False
+            if n and len(out) >= n:
+                gram = tuple(out[-n:])
+                repeat = gram in seen[i]
+                seen[i].add(gram)
+            if t in eos or len(out) >= limit or repeat:
+                metrics[i].finish_reason = "eos" if t in eos else "length" if len(out) >= limit else "repeat"
                 active[b] = False
                 break
         metrics[i].new_tokens = len(out)

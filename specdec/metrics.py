@@ -25,7 +25,7 @@ class RequestMetrics:
     accepted: int = 0  # draft tokens accepted
     drafted_at: list[int] = field(default_factory=list)  # per depth
     accepted_at: list[int] = field(default_factory=list)  # per depth
-    finish_reason: str = ""  # "eos" or "length"
+    finish_reason: str = ""  # "eos", "length" or "repeat" (Request.stop_repeat)
     ttft_s: float = 0.0  # the batch prefill: with static batching every row of a batch gets its first token together
     latency_s: float = 0.0  # from the start of the run to the step that finished this request
 

@@ -82,6 +82,8 @@ def test_a_folder_made_with_other_settings_is_refused_before_any_work(tmp_path):
         generate_corpus(target, tmp_path, num_prompts=70, greedy=True, progress=False)
     with pytest.raises(ValueError, match="shard_size"):
         generate_corpus(target, tmp_path, num_prompts=70, shard_size=128, progress=False)
+    with pytest.raises(ValueError, match="stop_repeat"):  # an older shard ran every answer to its limit
+        generate_corpus(target, tmp_path, num_prompts=70, stop_repeat=32, progress=False)
 
 
 @pytest.mark.slow
@@ -96,12 +98,67 @@ def test_the_generators_comparison_runs_both_settings_and_counts_their_page_faul
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "never"
     run = subprocess.run([sys.executable, "experiments/run.py", "--config-name", "lab/corpus", "compare=2", "batch=2",
-                          "shard_size=2", "max_new_tokens=4", "greedy=true", "dtype=bfloat16", f"out={out}",
+                          "shard_size=2", "max_new_tokens=4", "greedy=true", "dtype=bfloat16", "stop_repeat=2", f"out={out}",
                           f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=root, capture_output=True, text=True, check=True)
     text = run.stdout
     rows = json.loads(text[text.index("{"): text.rindex("}") + 1])
     before, after = rows.values()
     assert list(rows)[0].startswith("before (fp32") and "freed memory kept" in list(rows)[1]
+    assert "stop at a repeated 2-gram" in list(rows)[1] and "repeated" not in list(rows)[0]
     for r in (before, after):
         assert 0 < r["response_tokens"] <= 2 * 4 and r["tokens_per_s"] > 0 and r["minor_page_faults"] >= 0
+        assert 0 < r["unrepeated_tokens"] <= r["response_tokens"]
     assert not out.exists()
+
+
+def _write_corpus(folder, answers: list[list[int]], prompt: list[int]) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    seqs = [torch.tensor(prompt + a) for a in answers]
+    save_file({"tokens": torch.cat(seqs).to(torch.uint16),
+               "offsets": torch.tensor([0] + [len(t) for t in seqs]).cumsum(0),
+               "response_start": torch.full((len(seqs),), len(prompt), dtype=torch.int32),
+               "prompt_id": torch.arange(len(seqs), dtype=torch.int32),
+               "temperature": torch.zeros(len(seqs)), "top_p": torch.ones(len(seqs))},
+              str(folder / "shard-00000.safetensors"))
+
+
+def test_repeated_ngrams_mark_the_tokens_a_loop_wrote():
+    from specdec.data.corpus import repeated_ngrams
+
+    loop = [1, 2, 3]
+    assert repeated_ngrams([9, 8] + loop * 3, n=3) == [False] * 7 + [True] * 4  # from the second pass of the loop on
+    assert not any(repeated_ngrams(list(range(20)), n=2))
+    assert repeated_ngrams([5, 5, 5], n=1) == [False, True, True]
+
+
+def test_corpus_repetition_counts_repeats_by_answer_position(tmp_path):
+    from specdec.data.corpus import corpus_repetition
+
+    fresh = list(range(100, 110))  # ten distinct tokens, then a two-token loop
+    _write_corpus(tmp_path / "c", [fresh + [7, 8] * 5, list(range(200, 220))], prompt=[1, 2, 3])
+    bins = corpus_repetition(tmp_path / "c", n=2, edges=(0, 10, 20))
+    assert [b["tokens"] for b in bins] == [20, 20]
+    assert bins[0]["repeated"] == 0.0
+    assert bins[1]["repeated"] == 0.35  # (109, 7), (7, 8), (8, 7) are new, then 13..19 repeat: 7 of 20
+    assert corpus_repetition(tmp_path / "c", n=2, edges=(0, 10, 20), sequences=1)[0]["tokens"] == 10
+    with pytest.raises(ValueError, match="edges"):
+        corpus_repetition(tmp_path / "c", edges=(10, 0))
+
+
+def test_mode_corpus_report_reads_a_folder_and_loads_no_target(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import generate_corpus as mode
+
+    monkeypatch.setattr(mode.specdec, "load_target", lambda *a, **k: pytest.fail("report loads no target"))
+    _write_corpus(tmp_path / "c", [[4, 5, 6] * 6], prompt=[1])
+    stats = mode.grow(out=str(tmp_path / "c"), report=True)
+    assert stats["sequences"] == 1 and stats["response_tokens"] == 18
+    # 8-grams end at 7..17; from 10 on each is the one three positions earlier: 8 of 18 tokens
+    assert stats["repetition_8gram"][0] == {"from": 0, "to": 96, "tokens": 18, "repeated": round(8 / 18, 4)}
+    with pytest.raises(SystemExit, match="no corpus shards"):
+        mode.grow(out=str(tmp_path / "empty"), report=True)

@@ -164,3 +164,32 @@ def test_a_step_reads_the_device_once(target, monkeypatch, sampled, branching):
         seen.append((reads.count - before, res.metrics.batch_steps))
     (short, short_steps), (long, long_steps) = seen
     assert long_steps > short_steps and long - short == long_steps - short_steps
+
+
+def test_stop_repeat_ends_an_answer_where_its_first_repeated_ngram_ends(target):
+    """The answer under ``stop_repeat`` is the plain answer up to the token completing its first
+    repeated N-gram, whatever drafter verifies it; a row without it in the same batch is untouched."""
+    from specdec.api import make_drafter
+    from specdec.data.corpus import repeated_ngrams
+
+    prompts = [[1, 2, 3, 1, 2], [7, 7, 7], [5, 9, 11, 4]]
+    plain = run(target, None, GreedyVerifier(), [Request(p, 48) for p in prompts], eos_token_ids=set())
+    stopped_any = False
+    for n in (2, 4):
+        for drafter in (None, make_drafter("ngram", target)):
+            reqs = [Request(p, 48, stop_repeat=n) for p in prompts] + [Request(prompts[0], 48)]
+            res = run(target, drafter, GreedyVerifier(), reqs, k=3, eos_token_ids=set())
+            for full, got in zip(plain.requests, res.requests):
+                marks = repeated_ngrams(full.tokens, n)
+                end = marks.index(True) + 1 if True in marks else len(full.tokens)
+                assert got.tokens == full.tokens[:end]
+                assert got.metrics.finish_reason == ("repeat" if True in marks else "length")
+                stopped_any |= True in marks
+            assert res.requests[-1].tokens == plain.requests[0].tokens  # the row without stop_repeat
+    assert stopped_any, "a tiny random target loops within 48 tokens: the rule must have fired"
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), ("8", TypeError), (2.5, TypeError)])
+def test_a_bad_stop_repeat_is_refused_before_any_work(target, value, error):
+    with pytest.raises(error, match="stop_repeat"):
+        run(target, None, GreedyVerifier(), [Request([1, 2], 4, stop_repeat=value)])

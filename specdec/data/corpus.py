@@ -37,7 +37,7 @@ from specdec.data.sequences import held_out_seq
 from specdec.draft_vocab import token_counts
 
 __all__ = ["TEMPERATURES", "CorpusSeq", "corpus_conversations", "generate_corpus", "read_corpus", "corpus_stats",
-           "corpus_token_counts"]
+           "corpus_repetition", "repeated_ngrams", "corpus_token_counts"]
 
 # (temperature, top_p) by prompt id modulo 3: greedy, the runner's "nucleus" and "sample" presets
 TEMPERATURES: tuple[tuple[float, float], ...] = ((0.0, 1.0), (0.7, 0.9), (1.0, 1.0))
@@ -86,14 +86,19 @@ def _shard(folder: Path, i: int) -> Path:
 
 def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
                     max_new_tokens: int = 256, max_prompt_tokens: int = 512, drafter: str | None = None,
-                    k: int = 4, seed: int = 0, progress: bool = True, greedy: bool = False) -> Path:
+                    k: int = 4, seed: int = 0, progress: bool = True, greedy: bool = False,
+                    stop_repeat: int = 0) -> Path:
     """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
 
     Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
     ``shard_size`` prompts is generated in batches of ``batch`` sorted by length, then written at once.
     ``greedy``: every answer is the target's greedy one (on-policy data for greedy serving) instead of
-    :data:`TEMPERATURES` round-robin. A folder made with other settings (or another compute dtype)
-    is refused before any work: its shards would not be one data set.
+    :data:`TEMPERATURES` round-robin. ``stop_repeat`` = N > 0 ends an answer at the token that
+    completes an N-gram it already wrote (``Request.stop_repeat``): a small greedy target that falls
+    into a loop stays in it to the length limit, and those tokens teach a drafter little
+    (:func:`corpus_repetition` measures them); every answer is still a prefix of the target's own.
+    A folder made with other settings (or another compute dtype) is refused before any work: its
+    shards would not be one data set.
     """
     from tqdm import tqdm
 
@@ -110,7 +115,8 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
     id_dtype = torch.uint16 if target.vocab_size <= 1 << 16 else torch.int32
     meta = {"max_new_tokens": str(max_new_tokens), "max_prompt_tokens": str(max_prompt_tokens),
             "seed": str(seed), "vocab_size": str(target.vocab_size), "shard_size": str(shard_size),
-            "greedy": str(greedy), "compute_dtype": str(target.dtype).removeprefix("torch.")}
+            "greedy": str(greedy), "compute_dtype": str(target.dtype).removeprefix("torch."),
+            "stop_repeat": str(stop_repeat)}
     _check_settings(folder, meta)
     draft = make_drafter(drafter, target) if drafter else None
     verifier = make_verifier("rejection")
@@ -124,8 +130,8 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
         answers: dict[int, list[int]] = {}
         for lo in range(0, len(order), batch):
             part = order[lo: lo + batch]
-            reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i, greedy), seed=seed * 1_000_003 + i))
-                    for i in part]
+            reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i, greedy), seed=seed * 1_000_003 + i),
+                            stop_repeat=stop_repeat) for i in part]
             with torch.inference_mode():
                 out = run(target, draft, verifier, reqs, k=k)
             answers.update({i: r.tokens for i, r in zip(part, out.requests)})
@@ -152,12 +158,14 @@ def _setting(prompt_id: int, greedy: bool = False) -> tuple[float, int, float]:
 
 def _check_settings(folder: Path, meta: dict[str, str]) -> None:
     """Refuse to extend a corpus folder whose shards were made with other settings. Shards made before
-    a setting was recorded are read at its old value (shard size 64, mixed temperatures, fp32)."""
+    a setting was recorded are read at its old value (shard size 64, mixed temperatures, fp32, no
+    repeat stop)."""
     first = next(iter(sorted(folder.glob("shard-*.safetensors"))), None)
     if first is None:
         return
     with safe_open(str(first), framework="pt") as f:
-        old = {"shard_size": "64", "greedy": "False", "compute_dtype": "float32", **(f.metadata() or {})}
+        old = {"shard_size": "64", "greedy": "False", "compute_dtype": "float32", "stop_repeat": "0",
+               **(f.metadata() or {})}
     differ = {k: (old.get(k), v) for k, v in meta.items() if old.get(k) != v}
     if differ:
         raise ValueError(f"{folder} holds shards made with other settings (theirs, these): {differ}; "
@@ -185,6 +193,45 @@ def corpus_stats(folder: str | Path) -> dict[str, float]:
         response += s.tokens.numel() - s.response_start
     size = sum(p.stat().st_size for p in Path(folder).glob("shard-*.safetensors"))
     return {"sequences": n, "prompt_tokens": prompt, "response_tokens": response, "bytes": size}
+
+
+def repeated_ngrams(answer: list[int], n: int = 8) -> list[bool]:
+    """Per answer position: does the ``n``-gram ending there occur earlier in the same answer?
+    (The first ``n - 1`` positions end no n-gram: False.) A greedy small model that falls into a
+    loop repeats its own n-grams from then on; this marks the tokens a loop wrote."""
+    seen: set[tuple[int, ...]] = set()
+    marks = []
+    for i in range(len(answer)):
+        gram = tuple(answer[i - n + 1: i + 1]) if i >= n - 1 else None
+        marks.append(gram is not None and gram in seen)
+        if gram is not None:
+            seen.add(gram)
+    return marks
+
+
+def corpus_repetition(folder: str | Path, n: int = 8, edges: tuple[int, ...] = (0, 96, 192, 320, 512),
+                      sequences: int | None = None) -> list[dict[str, float]]:
+    """How much of a corpus's answers repeats itself, by answer position: for each bin
+    ``[edges[i], edges[i+1])`` the answer tokens there and the share of them that end an ``n``-gram
+    already seen earlier in the same answer (:func:`repeated_ngrams`). Training positions deep in a
+    loop are easy to predict and teach little about the first tokens of an answer, which is what
+    decoding a held-out prompt drafts; ``sequences``: only the first N (None: all)."""
+    if list(edges) != sorted(set(edges)) or len(edges) < 2 or edges[0] < 0:
+        raise ValueError(f"edges must be at least two increasing non-negative positions, got {edges}")
+    if n < 1:
+        raise ValueError(f"n must be positive, got {n}")
+    tokens = [0] * (len(edges) - 1)
+    repeated = [0] * (len(edges) - 1)
+    for j, s in enumerate(read_corpus(folder)):
+        if sequences is not None and j >= sequences:
+            break
+        marks = repeated_ngrams(s.tokens[s.response_start:].tolist(), n)
+        for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+            part = marks[lo:hi]
+            tokens[b] += len(part)
+            repeated[b] += sum(part)
+    return [{"from": lo, "to": hi, "tokens": t, "repeated": round(r / t, 4) if t else 0.0}
+            for lo, hi, t, r in zip(edges[:-1], edges[1:], tokens, repeated)]
 
 
 def corpus_token_counts(folder: str | Path, vocab_size: int, held_out_every: int = 20) -> tuple[Tensor, Tensor]:
