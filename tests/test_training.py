@@ -499,6 +499,11 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
         fn, params = compose_lab("lab/store", shlex.split(chain[0])[4:])  # the store mode takes every key
         assert fn.__name__ == "fill" and f"data.store={params['out']}" in chain[1]  # the first part reads that store
         chain = chain[1:]
+    elif chain[0].startswith("python experiments/run.py --config-name lab/corpus "):  # a generated corpus first
+        fn, params = compose_lab("lab/corpus", shlex.split(chain[0])[4:])
+        assert fn.__name__ == "grow" and not params["compare"] and not params["report"]
+        assert any(f"data.path={params['out']}" in part for part in chain[1:])  # a later part trains on it
+        chain = chain[1:]
     for i, part in enumerate(chain):
         assert part.startswith(prefix)  # the one trainer's command for this recipe
         name, *overrides = shlex.split(part[len(prefix):])
