@@ -37,8 +37,9 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
     ``shard_size`` prompts a file, ``batch`` requests decoded together (with ``drafter``, a lossless
     drafter at ``k``, e.g. ngram on a GPU); ``greedy``: every answer greedy (else mixed temperatures);
     ``seed``: prompt order and sampling seeds; ``stop_repeat`` = N > 0: an answer ends at the token
-    that completes an N-gram it already wrote (a loop; :func:`generate_corpus`). ``compare`` = N > 0 writes nothing: it measures new
-    answer tokens/s of the committed corpus's settings and of these on the first N prompts.
+    that completes an N-gram it already wrote (a loop; :func:`generate_corpus`). ``compare`` = N > 0
+    writes nothing: it measures new answer tokens/s of the committed corpus's settings and of these
+    on the first N prompts.
     ``retain_memory``: keep freed activations mapped (:mod:`specdec.host_memory`; in ``compare``,
     from the second run on, so the first is the generator as it ran before). ``report``: generate
     nothing; print what ``out`` holds (:func:`corpus_stats`) and the share of its answer tokens, by
