@@ -31,13 +31,14 @@ ROOT = Path(__file__).resolve().parent
 def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m", num_prompts: int = 8192,
          shard_size: int = 64, batch: int = 32, max_new_tokens: int = 256, drafter: str | None = None, k: int = 4,
          threads: int = 1, seed: int = 0, greedy: bool = False, dtype: str = "float32", compare: int = 0,
-         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0) -> dict:
+         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0, continuous: bool = True) -> dict:
     """Mode ``corpus``: answer ``num_prompts`` prompts in total with ``model`` (an alias or folder,
     computed in ``dtype``: bf16 is ~3x faster on CPUs with AMX or AVX512-BF16) into ``out``,
     ``shard_size`` prompts a file, ``batch`` requests decoded together (with ``drafter``, a lossless
     drafter at ``k``, e.g. ngram on a GPU); ``greedy``: every answer greedy (else mixed temperatures);
     ``seed``: prompt order and sampling seeds; ``stop_repeat`` = N > 0: an answer ends at the token
-    that completes an N-gram it already wrote (a loop; :func:`generate_corpus`). ``compare`` = N > 0
+    that completes an N-gram it already wrote (a loop; :func:`generate_corpus`); ``continuous``: continuous
+    batching (a finished answer's row takes the next prompt; without a drafter). ``compare`` = N > 0
     writes nothing: it measures new answer tokens/s of the committed corpus's settings and of these
     on the first N prompts.
     ``retain_memory``: keep freed activations mapped (:mod:`specdec.host_memory`; in ``compare``,
@@ -56,22 +57,23 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
     target = specdec.load_target(model, dtype=getattr(torch, dtype), threads=threads)
     if compare:
         return _compare(model, target, compare, batch, shard_size, greedy, dtype, max_new_tokens, seed, threads,
-                        retain_memory, stop_repeat)
+                        retain_memory, stop_repeat, continuous)
     if retain_memory:
         retain_freed_memory()
     start = now()
     generate_corpus(target, Path(out), num_prompts, shard_size=shard_size, batch=batch,
                     max_new_tokens=max_new_tokens, drafter=drafter, k=k, seed=seed, greedy=greedy,
-                    stop_repeat=stop_repeat)
+                    stop_repeat=stop_repeat, continuous=continuous)
     stats = {**corpus_stats(Path(out)), "seconds_this_run": round(now() - start, 1)}
     print(json.dumps(stats))
     return stats
 
 
 def _compare(model: str, target, n: int, batch: int, shard_size: int, greedy: bool, dtype: str, max_new_tokens: int,
-             seed: int, threads: int, retain_memory: bool, stop_repeat: int = 0) -> dict:
+             seed: int, threads: int, retain_memory: bool, stop_repeat: int = 0, continuous: bool = True) -> dict:
     """The committed corpus's settings (fp32, batch 32, shards of 64, mixed temperatures, malloc as it
-    comes) then these (shards of ``shard_size`` at most ``n``), on the same first ``n`` prompts, into
+    comes, batches decoded to their longest answer) then these (shards of ``shard_size`` at most ``n``), on the
+    same first ``n`` prompts, into
     temporary folders: new answer tokens per second of each, the same for the answer tokens that
     repeat no earlier 8-gram of their answer (a loop's tokens teach little), and the page faults
     each took."""
@@ -80,10 +82,12 @@ def _compare(model: str, target, n: int, batch: int, shard_size: int, greedy: bo
     old = specdec.load_target(model, dtype=torch.float32, threads=threads)
     after = (f"after ({dtype}, batch {batch}, shards of {min(shard_size, n)}, "
              f"{'greedy' if greedy else 'mixed temperatures'}{', freed memory kept' if retain_memory else ''}"
-             f"{f', stop at a repeated {stop_repeat}-gram' if stop_repeat else ''})")
+             f"{f', stop at a repeated {stop_repeat}-gram' if stop_repeat else ''}"
+             f"{', continuous batching' if continuous else ''})")
     runs = {"before (fp32, batch 32, shards of 64, mixed temperatures)":
-                (old, dict(batch=32, shard_size=64, greedy=False)),
-            after: (target, dict(batch=batch, shard_size=min(shard_size, n), greedy=greedy, stop_repeat=stop_repeat))}
+                (old, dict(batch=32, shard_size=64, greedy=False, continuous=False)),
+            after: (target, dict(batch=batch, shard_size=min(shard_size, n), greedy=greedy, stop_repeat=stop_repeat,
+                                 continuous=continuous))}
     out = {}
     for name, (t, settings) in runs.items():
         if t is target and retain_memory:

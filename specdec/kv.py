@@ -341,6 +341,51 @@ class KVStore:
                     buffers[i] = moved(x, 2)
                     del x
 
+    @torch.inference_mode()
+    def append_rows(self, other: KVStore) -> None:
+        """Add ``other``'s rows after this store's: requests admitted into a running batch
+        (continuous batching) are prefilled into a store of their own, then joined here. Each part
+        keeps its slots; the columns one part has and the other lacks become holes (zeroed, so a
+        masked slot never meets uninitialised memory in attention) that compaction later frees.
+        Both stores must hold the same layers; one reallocation."""
+        if other.num_layers != self.num_layers or (other.layer_types or None) != (self.layer_types or None):
+            raise ValueError("append_rows joins stores of the same layers")
+        if self._pending is not None or other._pending is not None:
+            raise RuntimeError("append_rows between steps only: a block is awaiting commit")
+        if not other.batch:
+            return
+        S = max(self.num_slots, other.num_slots)
+        capacity = max(self.capacity, other.capacity)
+        B = self.batch
+
+        def joined(a: Tensor | None, b: Tensor | None, dim: int) -> Tensor | None:
+            if a is None and b is None:
+                return None
+            if a is None and B or b is None:
+                raise ValueError("append_rows: a layer holds K/V in one store and none in the other")
+            like = b if a is None else a
+            shape = (B + b.shape[0], *like.shape[1:dim], capacity, *like.shape[dim + 1:])
+            if self.alloc is None or like.dtype in (torch.bool, torch.long):
+                out = like.new_empty(shape)
+            else:  # as _move: a static step's buffers are normal tensors
+                with torch.inference_mode(False):
+                    out = like.new_zeros(shape)
+            for part, rows, used in ((a, slice(0, B), self.num_slots), (b, slice(B, None), other.num_slots)):
+                dst = out[rows]
+                if part is not None and used:
+                    dst.narrow(dim, 0, used).copy_(part.narrow(dim, 0, used))
+                if S > used:
+                    dst.narrow(dim, used, S - used).zero_()
+            return out
+
+        self._valid, self._slot_pos = joined(self._valid, other._valid, 1), joined(self._slot_pos, other._slot_pos, 1)
+        for mine, theirs in ((self._keys, other._keys), (self._values, other._values)):
+            for i in range(self.num_layers):
+                mine[i] = joined(mine[i], theirs[i], 2)
+        self.lengths = torch.cat([self.lengths, other.lengths.to(self.device)])
+        self.dense = self.dense and other.dense and self.num_slots == other.num_slots
+        self.num_slots = S
+
     # --- between steps ----------------------------------------------------------------------
     @torch.inference_mode()
     def rollback(self, counts: Tensor) -> None:

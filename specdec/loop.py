@@ -115,7 +115,7 @@ def interactive() -> bool:
 
 def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int = 4,
         eos_token_ids: set[int] | None = None, progress: bool | None = False,
-        policy: DraftPolicy | str | None = None, timed: bool = False) -> RunResult:
+        policy: DraftPolicy | str | None = None, timed: bool = False, max_batch: int | None = None) -> RunResult:
     """Generate for a batch of requests. See the module docstring for the step.
 
     ``progress``: a tqdm bar on stderr, new tokens out of the requests' ``max_new_tokens`` in
@@ -124,9 +124,19 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     :func:`specdec.generate` shows it by default when interactive. ``policy``
     (:mod:`specdec.policy`) chooses how many of the proposed nodes each row verifies; None (or
     ``"fixed"``) verifies them all. ``timed`` synchronises the device at every phase boundary, for
-    an exact time split.
+    an exact time split. ``max_batch``: continuous batching for plain decoding (``drafter=None``):
+    at most this many requests decode at once, in the given order, and a finished row's place is
+    refilled from the requests still waiting (admitted a few at a time, :data:`ADMIT_SHARE` of the
+    batch, with one prefill), so the batch stays full instead of shrinking to its longest answer.
+    Each request's tokens are what it gets in any batch (seeded rows exactly; greedy rows up to the
+    batch's floating-point order, as everywhere).
     """
     validate_requests(target, drafter, requests, k)
+    if max_batch is not None:
+        as_int("max_batch", max_batch, minimum=1)
+        if drafter is not None and max_batch < len(requests):
+            raise ValueError(f"max_batch={max_batch} < {len(requests)} requests: continuous batching runs plain "
+                             "decoding (drafter=None); a drafter's state takes no new rows mid-run")
     policy = make_policy(policy)
     policy = policy if drafter is not None else None  # plain decoding has nothing to shorten
     if not verifier.lossless and verifier.name not in _WARNED_LOSSY:  # once per process; every summary says so
@@ -139,15 +149,22 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc="generate", unit="tok", disable=not show,
                file=sys.stderr)
     with bar, target.capturing(drafter.requirements() if drafter is not None else Requirements()):
-        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar, policy, timed)
+        return _generate(target, drafter, verifier, requests, k, rows, eos_token_ids, bar, policy, timed,
+                         len(requests) if max_batch is None else min(max_batch, len(requests)))
+
+
+ADMIT_SHARE = 8  # continuous batching admits waiting requests once 1/8 of the batch is free (or none runs)
 
 
 def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, requests: list[Request], k: int,
-              rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm, policy: DraftPolicy | None,
-              timed: bool) -> RunResult:
-    """The loop itself, inside the target's capture scope for this run; ``bar`` counts new tokens."""
+              all_rows: RowSampling, eos_token_ids: set[int] | None, bar: tqdm, policy: DraftPolicy | None,
+              timed: bool, max_batch: int) -> RunResult:
+    """The loop itself, inside the target's capture scope for this run; ``bar`` counts new tokens.
+    The first ``max_batch`` requests start; the rest wait for rows (plain decoding only)."""
     eos = target.eos_token_ids if eos_token_ids is None else set(eos_token_ids)
-    B, dev, V = len(requests), target.device, target.vocab_size
+    B, dev, V = max_batch, target.device, target.vocab_size
+    waiting = list(range(len(requests) - 1, B - 1, -1))  # request ids not yet admitted, next one last
+    rows = all_rows if B == len(requests) else all_rows.select(list(range(B)))
     clock, rm = _Clock(dev, timed), RunMetrics()
     metrics = [RequestMetrics(prompt_tokens=len(r.prompt)) for r in requests]
     outputs: list[list[int]] = [[] for _ in requests]
@@ -156,12 +173,12 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     t0 = clock()
     # the slots a dense run can reach: the longest prompt and new tokens, and a chain block past them
     # (trees and holes may need more: the store then grows past it a block at a time)
-    room = max(len(r.prompt) for r in requests) + max(r.max_new_tokens for r in requests)
+    room = max(len(r.prompt) for r in requests[:B]) + max(r.max_new_tokens for r in requests[:B])
     room += k + 1 if drafter is not None else 0
     session = target.new_session(B, reserve=room)
     wants_cache = drafter is not None and drafter.requirements().target_cache
     shared_cache = session.cache if wants_cache else None
-    out, padded, lengths = target.prefill(session, [r.prompt for r in requests])
+    out, padded, lengths = target.prefill(session, [r.prompt for r in requests[:B]])
     first = verifier.verify(DraftProposal.empty(B, dev), out.logits, rows)
     committed = Committed(
         tokens=padded, num_tokens=lengths,
@@ -170,12 +187,12 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
         hidden=out.hidden, final_hidden=out.final_hidden, target_cache=shared_cache,
     )
     live = list(range(B))  # request index of each batch row
-    committed_len = [len(r.prompt) for r in requests]  # each row's committed tokens, known on the host
+    committed_len = [len(r.prompt) for r in requests[:B]]  # each row's committed tokens, known on the host
     active = _emit(first.tokens[:, :1].tolist(), [1] * B, live, outputs, requests, metrics, eos, seen)
     t1 = clock()
     rm.prefill_s = t1 - t0
     bar.update(sum(len(o) for o in outputs))
-    for m in metrics:
+    for m in metrics[:B]:
         m.ttft_s = m.latency_s = rm.prefill_s
     # the drafter's pass over the prompt (EAGLE-3 and the block drafters read the target's features
     # of every prompt token) is prefill: it runs once, as one block over the whole prompt, right after
@@ -186,17 +203,37 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     last = first.next_tokens
 
     while True:
-        if not all(active):  # retire finished rows before the next step
-            kept = [b for b, a in enumerate(active) if a]
-            if not kept:
+        free = B - sum(active)
+        while not all(active) or (waiting and free >= max(1, B // ADMIT_SHARE)):
+            kept = [b for b, a in enumerate(active) if a]  # retire finished rows before the next step
+            if not kept and not waiting:
                 break
-            keep_rows = torch.tensor(kept, device="cpu")  # the drafters' row selection is a host tensor
-            on_dev = _upload(keep_rows, dev)
-            session.cache.select_rows(keep_rows)
-            rows, last = rows.select(kept), last[on_dev]
-            live, committed_len = [live[b] for b in kept], [committed_len[b] for b in kept]
-            if drafter is not None:
-                drafter.select_rows(state, keep_rows)
+            if len(kept) < len(active):
+                keep_rows = torch.tensor(kept, dtype=torch.long, device="cpu")  # the drafters' selection is a host tensor
+                on_dev = _upload(keep_rows, dev)
+                session.cache.select_rows(keep_rows)
+                rows, last = rows.select(kept), last[on_dev]
+                live, committed_len = [live[b] for b in kept], [committed_len[b] for b in kept]
+                active = [True] * len(kept)
+                if drafter is not None:
+                    drafter.select_rows(state, keep_rows)
+            free = B - len(live)
+            if waiting and (free >= max(1, B // ADMIT_SHARE) or not live):  # refill (plain decoding only)
+                ta = clock()
+                ids = [waiting.pop() for _ in range(min(free, len(waiting)))]
+                new_rows = all_rows.select(ids)
+                out, _, _ = target.admit(session, [requests[i].prompt for i in ids])
+                first = verifier.verify(DraftProposal.empty(len(ids), dev), out.logits, new_rows)
+                rows, last = rows.joined(new_rows), torch.cat([last, first.next_tokens])
+                live, committed_len = live + ids, committed_len + [len(requests[i].prompt) for i in ids]
+                active += _emit(first.tokens[:, :1].tolist(), [1] * len(ids), ids, outputs, requests, metrics, eos, seen)
+                tb = clock()
+                rm.prefill_s += tb - ta
+                bar.update(sum(len(o) for o in outputs) - bar.n)
+                for i in ids:
+                    metrics[i].ttft_s = metrics[i].latency_s = tb - t0
+        if not live or not all(active):
+            break
         nb = len(live)
         ta = clock()
         live_ids = torch.tensor(live, device="cpu") if policy is not None else None  # [nb] request ids (host)

@@ -200,11 +200,26 @@ class RowSampling:
         idx = rows if isinstance(rows, list) else rows.tolist()
         sub.params = [self.params[i] for i in idx]
         sub.device, sub._shared = self.device, self._shared
-        rows = torch.tensor(idx, device=self.device)
+        rows = torch.tensor(idx, dtype=torch.long, device=self.device)
         sub.temperature, sub.top_k, sub.top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         sub.greedy_rows = self.greedy_rows[rows]
         sub._seeded = [self._seeded[i] for i in idx]
         sub._keyed = None if self._keyed is None else [self._keyed[i] for i in idx]
+        return sub
+
+    def joined(self, other: RowSampling) -> RowSampling:
+        """These rows, then ``other``'s (requests admitted into a running batch). Each row keeps its
+        own generators, so a seeded row's tokens stay what they are in any batch; unseeded rows
+        draw from this batch's shared generator. Both sides keyed by position, or neither."""
+        if (self._keyed is None) != (other._keyed is None):
+            raise ValueError("joined(): one side's noise is keyed by position and the other's is not")
+        sub = RowSampling.__new__(RowSampling)
+        sub.params, sub.device, sub._shared = self.params + other.params, self.device, self._shared
+        other_dev = {k: getattr(other, k).to(self.device) for k in ("temperature", "top_k", "top_p", "greedy_rows")}
+        for k, v in other_dev.items():
+            setattr(sub, k, torch.cat([getattr(self, k), v]))
+        sub._seeded = self._seeded + other._seeded
+        sub._keyed = None if self._keyed is None else self._keyed + other._keyed
         return sub
 
     def _draw(self, shape: tuple[int, ...], fill: Callable[[Tensor, torch.Generator], None], stream: int | None,

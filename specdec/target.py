@@ -603,3 +603,13 @@ class Target:
         ragged = any(len(p) != L for p in prompts)  # equal lengths keep the store dense
         self.commit(session, torch.arange(L, device=dev).unsqueeze(0) < lengths.unsqueeze(1) if ragged else None)
         return out, padded, lengths
+
+    def admit(self, session: TargetSession, prompts: list[list[int]]) -> tuple[TargetOutput, Tensor, Tensor]:
+        """:meth:`prefill` new rows into a running session (continuous batching): the prompts run
+        in a store of their own, whose rows are then appended after the session's
+        (:meth:`specdec.kv.KVStore.append_rows`). Returns what :meth:`prefill` returns, for the new rows."""
+        part = TargetSession(self.new_store(len(prompts)))
+        part.cache.reserve(max(len(p) for p in prompts))
+        out = self.prefill(part, prompts)
+        session.cache.append_rows(part.cache)
+        return out

@@ -49,6 +49,11 @@ def test_shards_hold_the_targets_answers_and_resume(smollm2, tmp_path):
     after = load_file(str(folder / "shard-00001.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # seeded
     assert corpus_stats(folder)["sequences"] == 5
+    # one shard of five prompts, two rows at a time: refilled rows (the default) or batches, the same answers
+    shards = [load_file(str(generate_corpus(smollm2, tmp_path / f"one-{c}", num_prompts=5, shard_size=5, batch=2,
+                                            max_new_tokens=6, max_prompt_tokens=64, progress=False,
+                                            continuous=c) / "shard-00000.safetensors")) for c in (True, False)]
+    assert all(torch.equal(shards[0][k], shards[1][k]) for k in shards[0])
 
 
 def test_the_committed_corpus_feeds_the_trainer_with_prompts_cut_and_the_same_held_out_items():
@@ -105,6 +110,7 @@ def test_the_generators_comparison_runs_both_settings_and_counts_their_page_faul
     before, after = rows.values()
     assert list(rows)[0].startswith("before (fp32") and "freed memory kept" in list(rows)[1]
     assert "stop at a repeated 2-gram" in list(rows)[1] and "repeated" not in list(rows)[0]
+    assert "continuous batching" in list(rows)[1] and "continuous" not in list(rows)[0]
     for r in (before, after):
         assert 0 < r["response_tokens"] <= 2 * 4 and r["tokens_per_s"] > 0 and r["minor_page_faults"] >= 0
         assert 0 < r["unrepeated_tokens"] <= r["response_tokens"]

@@ -45,6 +45,18 @@ class ConcatReference:
         self.keys, self.valid = self.keys[rows], self.valid[rows]
         self.slot_pos, self.lengths = self.slot_pos[rows], self.lengths[rows]
 
+    def append_rows(self, other):
+        """Both parts padded with holes to the longer one's slots, then stacked."""
+        S = max(self.valid.shape[1], other.valid.shape[1])
+
+        def pad(x, dim):
+            return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, S - x.shape[dim]])
+
+        self.keys = torch.cat([pad(self.keys, 2), pad(other.keys, 2)])
+        self.valid = torch.cat([pad(self.valid, 1), pad(other.valid, 1)])
+        self.slot_pos = torch.cat([pad(self.slot_pos, 1), pad(other.slot_pos, 1)])
+        self.lengths = torch.cat([self.lengths, other.lengths])
+
 
 def step(store: KVStore, ref: ConcatReference | None, parents, keep, gen):
     """One block through the store (and the reference): plan, write both layers, commit."""
@@ -141,6 +153,45 @@ def test_plan_rollback_compact_and_select_rows_equal_the_concatenating_cache(kep
     store.select_rows(last), ref.select_rows(last)
     step(store, ref, chain_parents(3, 1), torch.tensor([[True, True, False]]), gen)
     assert_same(store, ref)
+
+
+@pytest.mark.parametrize("longer", ["running", "admitted"])
+def test_append_rows_equals_the_concatenating_cache_and_keeps_growing(longer):
+    """Rows admitted mid-run (continuous batching): a store's rows joined after a running one's,
+    the shorter part padded with zeroed holes; both keep stepping as one store."""
+    gen = torch.Generator().manual_seed(5)
+    parts = []
+    for batch, steps in ((B, 6 if longer == "running" else 1), (2, 1 if longer == "running" else 6)):
+        store, ref = KVStore(batch, "cpu", torch.float32, num_layers=2), ConcatReference(batch)
+        for i in range(steps):
+            keep = torch.ones(batch, 3, dtype=torch.bool)
+            keep[0, 2] = i % 2 == 0  # a hole in the first row
+            step(store, ref, chain_parents(3, batch), keep, gen)
+        parts.append((store, ref))
+    (store, ref), (other, other_ref) = parts
+    widths = torch.tensor([store.num_slots] * B + [other.num_slots] * 2)
+    store.append_rows(other)
+    ref.append_rows(other_ref)
+    assert store.batch == B + 2 and not store.dense
+    assert_same(store, ref)
+    padding = torch.arange(store.num_slots) >= widths.unsqueeze(1)  # the shorter part's new columns
+    assert padding.any() and torch.equal(store.layer(0)[0].masked_select(padding[:, None, :, None]),
+                                         torch.zeros(int(padding.sum()) * H * D))
+    for _ in range(4):
+        step(store, ref, chain_parents(2, B + 2), torch.ones(B + 2, 2, dtype=torch.bool), gen)
+        assert_same(store, ref)
+    store.compact(), ref.compact()
+    assert_same(store, ref)
+
+
+def test_append_rows_refuses_other_layers_and_a_pending_block():
+    store, other = KVStore(1, "cpu", torch.float32, num_layers=2), KVStore(1, "cpu", torch.float32, num_layers=3)
+    with pytest.raises(ValueError, match="same layers"):
+        store.append_rows(other)
+    same = KVStore(1, "cpu", torch.float32, num_layers=2)
+    same.plan(chain_parents(1, 1))
+    with pytest.raises(RuntimeError, match="between steps"):
+        store.append_rows(same)
 
 
 def test_masks_follow_holes_trees_and_the_sliding_window():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.overrides import TorchFunctionMode
 
 from specdec.loop import Request, run
@@ -193,3 +194,70 @@ def test_stop_repeat_ends_an_answer_where_its_first_repeated_ngram_ends(target):
 def test_a_bad_stop_repeat_is_refused_before_any_work(target, value, error):
     with pytest.raises(error, match="stop_repeat"):
         run(target, None, GreedyVerifier(), [Request([1, 2], 4, stop_repeat=value)])
+
+
+@pytest.mark.parametrize("target", ["llama", "gemma4"], indirect=True)  # gemma4: sliding windows, shared K/V
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_continuous_batching_gives_each_request_its_own_answer(target, max_batch):
+    """Under ``max_batch`` a finished row takes the next waiting request; every request's tokens are
+    the ones it gets decoded alone (greedy and seeded sampled rows, EOS and length limits mixed),
+    and the batch never exceeds ``max_batch``."""
+    from specdec.api import make_verifier
+    from specdec.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, target.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 24, (11,), generator=gen)]
+    limits = torch.randint(1, 30, (11,), generator=gen).tolist()
+
+    def requests():
+        return [Request(p, n, SamplingParams(temperature=0.9, seed=i) if i % 2 else SamplingParams(),
+                        stop_repeat=4 if i % 3 == 0 else 0) for i, (p, n) in enumerate(zip(prompts, limits))]
+
+    verifier, eos = make_verifier("rejection"), {5}
+    alone = [run(target, None, verifier, [r], eos_token_ids=eos).requests[0] for r in requests()]
+    widths: list[int] = []
+    forward = target.forward
+
+    def spy(session, tokens, *a, **kw):
+        widths.append(tokens.shape[0])
+        return forward(session, tokens, *a, **kw)
+
+    target.forward = spy
+    try:
+        res = run(target, None, verifier, requests(), eos_token_ids=eos, max_batch=max_batch)
+    finally:
+        del target.forward
+    assert [r.tokens for r in res.requests] == [a.tokens for a in alone]
+    assert [r.metrics.finish_reason for r in res.requests] == [a.metrics.finish_reason for a in alone]
+    assert {a.metrics.finish_reason for a in alone} >= {"eos", "length"}
+    assert max(widths) <= max_batch and res.metrics.new_tokens == sum(len(a.tokens) for a in alone)
+
+
+def test_continuous_batching_keeps_the_batch_full():
+    """Refilling takes fewer batch steps than decoding the same requests ``max_batch`` at a time, each
+    batch to its longest answer: the count of steps, not a timing."""
+    from specdec.testing.tiny import tiny_model
+    from specdec.target import Target
+
+    target = Target(tiny_model("llama", vocab_size=32, init_scale=0.3, seed=0))
+    limits = [40, 2, 3, 2] * 4  # one long answer in every group of four
+    reqs = lambda: [Request([1 + i % 7, 2, 3], n) for i, n in enumerate(limits)]  # noqa: E731
+    groups = sum(run(target, None, GreedyVerifier(), reqs()[i: i + 4], eos_token_ids=set()).metrics.batch_steps
+                 for i in range(0, len(limits), 4))
+    refilled = run(target, None, GreedyVerifier(), reqs(), eos_token_ids=set(), max_batch=4).metrics.batch_steps
+    assert refilled < groups / 2, (refilled, groups)
+
+
+@pytest.mark.parametrize(("value", "error"), [(0, ValueError), ("4", TypeError), (2.0, TypeError)])
+def test_a_bad_max_batch_is_refused_before_any_work(target, value, error):
+    with pytest.raises(error, match="max_batch"):
+        run(target, None, GreedyVerifier(), [Request([1, 2], 4)] * 2, max_batch=value)
+
+
+def test_continuous_batching_refuses_a_drafter_before_any_work(target):
+    drafter = RandomDrafter()
+    drafter.bind(target)
+    with pytest.raises(ValueError, match="plain decoding"):
+        run(target, drafter, GreedyVerifier(), [Request([1, 2], 4) for _ in range(3)], max_batch=2)
+    run(target, drafter, GreedyVerifier(), [Request([1, 2], 4) for _ in range(3)], max_batch=3)  # all fit: no refill

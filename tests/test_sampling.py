@@ -123,3 +123,16 @@ def test_argmax_takes_the_first_index_on_ties(values, rows):
     assert torch.equal(argmax(x), x.argmax(-1))
     first = [next(i for i, v in enumerate(r) if v == max(r)) for r in x.tolist()]
     assert argmax(x).tolist() == first
+
+
+def test_joined_rows_keep_their_parameters_and_generators_and_refuse_mixed_keying():
+
+    a = RowSampling([SamplingParams(), SamplingParams(temperature=0.5, seed=1)])
+    b = RowSampling([SamplingParams(temperature=0.9, top_k=3, top_p=0.8, seed=2)])
+    both = a.joined(b)
+    assert both.batch == 3 and both.temperature.tolist() == pytest.approx([0.0, 0.5, 0.9])
+    assert both.top_k.tolist() == [0, 0, 3] and both.greedy_rows.tolist() == [True, False, False]
+    assert both._seeded[1] is a._seeded[1] and both._seeded[2] is b._seeded[0]  # a seeded row's stream continues
+    b.key_by_position()
+    with pytest.raises(ValueError, match="keyed"):
+        a.joined(b)

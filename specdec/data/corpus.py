@@ -87,7 +87,7 @@ def _shard(folder: Path, i: int) -> Path:
 def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
                     max_new_tokens: int = 256, max_prompt_tokens: int = 512, drafter: str | None = None,
                     k: int = 4, seed: int = 0, progress: bool = True, greedy: bool = False,
-                    stop_repeat: int = 0) -> Path:
+                    stop_repeat: int = 0, continuous: bool = True) -> Path:
     """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
 
     Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
@@ -97,6 +97,9 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
     completes an N-gram it already wrote (``Request.stop_repeat``): a small greedy target that falls
     into a loop stays in it to the length limit, and those tokens teach a drafter little
     (:func:`corpus_repetition` measures them); every answer is still a prefix of the target's own.
+    ``continuous``: without a drafter, a shard's prompts decode under continuous batching
+    (``run(max_batch=batch)``: a finished answer's row takes the next prompt at once), so the batch
+    stays full instead of waiting for its longest answer; False decodes them ``batch`` at a time.
     A folder made with other settings (or another compute dtype) is refused before any work: its
     shards would not be one data set.
     """
@@ -128,12 +131,13 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
         prompts = {i: encode_messages(target, convs[i], chat=True)[-max_prompt_tokens:] for i in ids}
         order = sorted(ids, key=lambda i: len(prompts[i]))
         answers: dict[int, list[int]] = {}
-        for lo in range(0, len(order), batch):
-            part = order[lo: lo + batch]
+        step = len(order) if continuous and draft is None else batch
+        for lo in range(0, len(order), step):
+            part = order[lo: lo + step]
             reqs = [Request(prompts[i], max_new_tokens, SamplingParams(*_setting(i, greedy), seed=seed * 1_000_003 + i),
                             stop_repeat=stop_repeat) for i in part]
             with torch.inference_mode():
-                out = run(target, draft, verifier, reqs, k=k)
+                out = run(target, draft, verifier, reqs, k=k, max_batch=batch)
             answers.update({i: r.tokens for i, r in zip(part, out.requests)})
         seqs = [torch.tensor(prompts[i] + answers[i]) for i in ids]
         lengths = torch.tensor([0] + [len(t) for t in seqs])
