@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent
 def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m", num_prompts: int = 8192,
          shard_size: int = 64, batch: int = 32, max_new_tokens: int = 256, drafter: str | None = None, k: int = 4,
          threads: int = 1, seed: int = 0, greedy: bool = False, dtype: str = "float32", compare: int = 0,
-         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0, continuous: bool = True) -> dict:
+         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0, continuous: bool = False) -> dict:
     """Mode ``corpus``: answer ``num_prompts`` prompts in total with ``model`` (an alias or folder,
     computed in ``dtype``: bf16 is ~3x faster on CPUs with AMX or AVX512-BF16) into ``out``,
     ``shard_size`` prompts a file, ``batch`` requests decoded together (with ``drafter``, a lossless
@@ -70,7 +70,7 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
 
 
 def _compare(model: str, target, n: int, batch: int, shard_size: int, greedy: bool, dtype: str, max_new_tokens: int,
-             seed: int, threads: int, retain_memory: bool, stop_repeat: int = 0, continuous: bool = True) -> dict:
+             seed: int, threads: int, retain_memory: bool, stop_repeat: int = 0, continuous: bool = False) -> dict:
     """The committed corpus's settings (fp32, batch 32, shards of 64, mixed temperatures, malloc as it
     comes, batches decoded to their longest answer) then these (shards of ``shard_size`` at most ``n``), on the
     same first ``n`` prompts, into

@@ -49,7 +49,7 @@ def test_shards_hold_the_targets_answers_and_resume(smollm2, tmp_path):
     after = load_file(str(folder / "shard-00001.safetensors"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)  # seeded
     assert corpus_stats(folder)["sequences"] == 5
-    # one shard of five prompts, two rows at a time: refilled rows (the default) or batches, the same answers
+    # one shard of five prompts, two rows at a time: refilled rows or batches (the default), the same answers
     shards = [load_file(str(generate_corpus(smollm2, tmp_path / f"one-{c}", num_prompts=5, shard_size=5, batch=2,
                                             max_new_tokens=6, max_prompt_tokens=64, progress=False,
                                             continuous=c) / "shard-00000.safetensors")) for c in (True, False)]
@@ -103,7 +103,8 @@ def test_the_generators_comparison_runs_both_settings_and_counts_their_page_faul
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "never"
     run = subprocess.run([sys.executable, "experiments/run.py", "--config-name", "lab/corpus", "compare=2", "batch=2",
-                          "shard_size=2", "max_new_tokens=4", "greedy=true", "dtype=bfloat16", "stop_repeat=2", f"out={out}",
+                          "shard_size=2", "max_new_tokens=4", "greedy=true", "dtype=bfloat16", "stop_repeat=2", "continuous=true",
+                          f"out={out}",
                           f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=root, capture_output=True, text=True, check=True)
     text = run.stdout
     rows = json.loads(text[text.index("{"): text.rindex("}") + 1])

@@ -87,7 +87,7 @@ def _shard(folder: Path, i: int) -> Path:
 def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_size: int = 64, batch: int = 32,
                     max_new_tokens: int = 256, max_prompt_tokens: int = 512, drafter: str | None = None,
                     k: int = 4, seed: int = 0, progress: bool = True, greedy: bool = False,
-                    stop_repeat: int = 0, continuous: bool = True) -> Path:
+                    stop_repeat: int = 0, continuous: bool = False) -> Path:
     """Answer the first ``num_prompts`` of :func:`corpus_conversations` into ``folder``, resuming.
 
     Prompts longer than ``max_prompt_tokens`` keep their last tokens (the question's end). A shard of
@@ -99,7 +99,9 @@ def generate_corpus(target: Target, folder: str | Path, num_prompts: int, shard_
     (:func:`corpus_repetition` measures them); every answer is still a prefix of the target's own.
     ``continuous``: without a drafter, a shard's prompts decode under continuous batching
     (``run(max_batch=batch)``: a finished answer's row takes the next prompt at once), so the batch
-    stays full instead of waiting for its longest answer; False decodes them ``batch`` at a time.
+    stays full instead of waiting for its longest answer; False (the default) decodes them ``batch``
+    at a time. On a two-core CPU it bought no rate (docs/training.md): a step there costs about
+    rows × slots (reading the K/V), so fewer steps of fuller batches cost the same.
     A folder made with other settings (or another compute dtype) is refused before any work: its
     shards would not be one data set.
     """
