@@ -183,6 +183,11 @@ def test_batches_are_a_function_of_the_step_and_features_cached_or_not_agree(tin
             torch.testing.assert_close(a.features[name][r, :m], b.features[name][r, :m], atol=1e-5, rtol=1e-5)
     hidden, final = tiny_target.features(a.tokens[:1, : int(a.lengths[0])], (0, 2))
     torch.testing.assert_close(a.features["features"][0, : int(a.lengths[0])], torch.cat([hidden[0], hidden[2]], -1)[0])
+    # the same settings over data that grew (a corpus folder resumed) key another cache file, not an error
+    save_sequences(path, load_sequences(path) + load_sequences(random_data(tmp_path / "more.safetensors", n=8, seed=1)))
+    load_data(DataConfig(path=str(path), held_out_every=4, feature_dtype="float32"), tiny_target, featurize,
+              "inputs0_2-final")
+    assert len(list((cache / "features").glob("inputs0_2-final-*.safetensors"))) == 2
 
 
 # --- the trainer ---------------------------------------------------------------------------------------
@@ -499,8 +504,8 @@ def test_every_committed_checkpoint_records_how_it_was_made(folder):
         fn, params = compose_lab("lab/store", shlex.split(chain[0])[4:])  # the store mode takes every key
         assert fn.__name__ == "fill" and f"data.store={params['out']}" in chain[1]  # the first part reads that store
         chain = chain[1:]
-    elif chain[0].startswith("python experiments/run.py --config-name lab/corpus "):  # a generated corpus first
-        fn, params = compose_lab("lab/corpus", shlex.split(chain[0])[4:])
+    while chain[0].startswith("python experiments/run.py --config-name lab/corpus "):  # a generated corpus first
+        fn, params = compose_lab("lab/corpus", shlex.split(chain[0])[4:])  # (grown in parts: resumed, as it was)
         assert fn.__name__ == "grow" and not params["compare"] and not params["report"]
         assert any(f"data.path={params['out']}" in part for part in chain[1:])  # a later part trains on it
         chain = chain[1:]

@@ -201,7 +201,8 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
 
     ``featurize`` computes the recipe's target features (None: it reads none). With
     ``cfg.cache_features`` they are computed once per sequence (no padding) and stored under
-    ``cache_dir()/features/``, keyed by the target's weights, the data settings and ``feature_key``
+    ``cache_dir()/features/``, keyed by the target's weights, the data settings, the sequences'
+    tokens (a corpus folder that grew is other data under the same settings) and ``feature_key``
     (what ``featurize`` computes); otherwise each batch computes its own. With ``cfg.store`` the
     sequences and features come from a feature store instead: ``store_featurize`` (the recipe's
     ``featurize``) reads each sequence's rows through a :class:`~specdec.data.store.StoredRow`
@@ -218,9 +219,13 @@ def load_data(cfg: DataConfig, target: Target | None, featurize: Featurize | Non
         return TrainData(train, held, featurize, tokenizer)
     assert target is not None and feature_key is not None, "cached features need a target and a feature key"
     settings = {k: v for k, v in vars(cfg).items() if k != "cache_features"}
-    key = hashlib.sha1(json.dumps([model_key(target), settings, feature_key], sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "features" / f"{feature_key}-{key}.safetensors"
     every = train + held
+    tokens = hashlib.sha1()
+    for s in every:
+        tokens.update(s.tokens.numpy().tobytes() + b"|")
+    key = hashlib.sha1(json.dumps([model_key(target), settings, feature_key, tokens.hexdigest()],
+                                  sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "features" / f"{feature_key}-{key}.safetensors"
     if path.exists():
         fields, _ = load_ragged(path)
         if not all(torch.equal(a, s.tokens) for a, s in zip(fields.pop("tokens"), every)):
