@@ -319,18 +319,22 @@ class KVStore:
             return
         self._move(-(-slots // self.block) * self.block)
 
+    def _new_buffer(self, like: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A reallocated buffer of ``like``'s kind: uninitialised, except K/V under an arena, which
+        are zeroed normal tensors (a static step reads every slot, and a compiled one writes only
+        normal tensors)."""
+        if self.alloc is None or like.dtype in (torch.bool, torch.long):
+            return like.new_empty(shape)
+        with torch.inference_mode(False):
+            return like.new_zeros(shape)
+
     def _move(self, capacity: int, rows: Tensor | None = None) -> None:
         """Reallocate every buffer with ``capacity`` slots, keeping the used slots (of ``rows`` only,
         when given); slots past them stay uninitialised: they are written before they are read."""
         def moved(x: Tensor, dim: int) -> Tensor:
             used = x.narrow(dim, 0, self.num_slots)
             used = used if rows is None else used[rows]
-            shape = (*used.shape[:dim], capacity, *used.shape[dim + 1:])
-            if self.alloc is None or x.dtype == torch.bool or x.dtype == torch.long:
-                out = x.new_empty(*shape)
-            else:  # a static step reads every slot, and a compiled one writes only normal tensors
-                with torch.inference_mode(False):
-                    out = x.new_zeros(*shape)
+            out = self._new_buffer(x, (*used.shape[:dim], capacity, *used.shape[dim + 1:]))
             out.narrow(dim, 0, self.num_slots).copy_(used)
             return out
 
@@ -364,12 +368,7 @@ class KVStore:
             if a is None and B or b is None:
                 raise ValueError("append_rows: a layer holds K/V in one store and none in the other")
             like = b if a is None else a
-            shape = (B + b.shape[0], *like.shape[1:dim], capacity, *like.shape[dim + 1:])
-            if self.alloc is None or like.dtype in (torch.bool, torch.long):
-                out = like.new_empty(shape)
-            else:  # as _move: a static step's buffers are normal tensors
-                with torch.inference_mode(False):
-                    out = like.new_zeros(shape)
+            out = self._new_buffer(like, (B + b.shape[0], *like.shape[1:dim], capacity, *like.shape[dim + 1:]))
             for part, rows, used in ((a, slice(0, B), self.num_slots), (b, slice(B, None), other.num_slots)):
                 dst = out[rows]
                 if part is not None and used:

@@ -126,8 +126,8 @@ def run(target: Target, drafter: Drafter | None, verifier: Verifier, requests: l
     ``"fixed"``) verifies them all. ``timed`` synchronises the device at every phase boundary, for
     an exact time split. ``max_batch``: continuous batching for plain decoding (``drafter=None``):
     at most this many requests decode at once, in the given order, and a finished row's place is
-    refilled from the requests still waiting (admitted a few at a time, :data:`ADMIT_SHARE` of the
-    batch, with one prefill), so the batch stays full instead of shrinking to its longest answer.
+    refilled from the requests still waiting (admitted a few at a time, once a :data:`ADMIT_SHARE`-th
+    of the batch is free, with one prefill), so the batch stays full instead of shrinking to its longest answer.
     Each request's tokens are what it gets in any batch (seeded rows exactly; greedy rows up to the
     batch's floating-point order, as everywhere).
     """
@@ -201,10 +201,11 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
     chosen = policy.start(B, k) if policy is not None else None
     rm.prefill_s += clock() - t1
     last = first.next_tokens
+    admit_at = max(1, B // ADMIT_SHARE)  # free rows that make a refill worth its prefill
 
     while True:
         free = B - sum(active)
-        while not all(active) or (waiting and free >= max(1, B // ADMIT_SHARE)):
+        while not all(active) or (waiting and free >= admit_at):
             kept = [b for b, a in enumerate(active) if a]  # retire finished rows before the next step
             if not kept and not waiting:
                 break
@@ -218,7 +219,7 @@ def _generate(target: Target, drafter: Drafter | None, verifier: Verifier, reque
                 if drafter is not None:
                     drafter.select_rows(state, keep_rows)
             free = B - len(live)
-            if waiting and (free >= max(1, B // ADMIT_SHARE) or not live):  # refill (plain decoding only)
+            if waiting and (free >= admit_at or not live):  # refill (plain decoding only)
                 ta = clock()
                 ids = [waiting.pop() for _ in range(min(free, len(waiting)))]
                 new_rows = all_rows.select(ids)

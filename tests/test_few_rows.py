@@ -315,5 +315,5 @@ def test_measure_records_the_spread_of_its_repeats_and_the_spot_check_times_only
     assert {r: sorted(t) for r, t in times.spreads.items()} == {r: sorted(t) for r, t in times.items()}
     assert fr.spread(times) == max(x for t in times.spreads.values() for x in t.values()) >= 0
     assert fr.spread({1: {"linear": 1.0}}) is None
-    checked = fr.spot_check(model, {2: "mm", 9: "packed", 10: "packed"} if fr.packing_available() else {2: "mm"})
-    assert set(checked) == {2} and all(s > 0 for pair in checked.values() for s in pair)  # 9, 10: not measured counts
+    checked = fr.spot_check(model, {2: "mm", 17: "packed", 20: "packed"} if fr.packing_available() else {2: "mm"})
+    assert set(checked) == {2} and all(s > 0 for pair in checked.values() for s in pair)  # 17, 20: not measured counts
