@@ -107,8 +107,8 @@ counts as busy: an idle machine's own daemons."""
 
 MM_ROWS = 16
 """``W @ xᵀ`` is considered up to this many rows: on the Xeons measured it loses past 5 rows, on an
-AVX2-only AMD EPYC it wins up to 9 (SmolLM2-135M, two threads: 71 ms a pass at 9 rows against
-77 packed and 89 ``F.linear``), so the tuner, not a constant, decides."""
+AVX2-only AMD EPYC it wins up to 10 (SmolLM2-135M, two threads: 78.2 ms a pass at 9 rows against
+93.5 packed and 111.7 ``F.linear``, docs/roofline.md), so the tuner, not a constant, decides."""
 
 MARGIN = 0.1
 """A product other than ``F.linear`` is taken for a row count only when a pass takes at most
