@@ -460,13 +460,15 @@ def cache_folder() -> Path:
 
 def plan_key(model: nn.Module, packed: bool = True, threads: int | None = None) -> dict[str, Any]:
     """What a tuned plan holds for: the CPU model, thread count, dtype, torch version, whether
-    packing was considered, and the float32 CPU linear layers' shapes (a digest: another model of
-    the same shapes takes the same products)."""
+    packing was considered, the row counts and products measured (a plan from a tuner that measured
+    fewer is tuned again, not read), and the float32 CPU linear layers' shapes (a digest: another
+    model of the same shapes takes the same products)."""
     layers = _cpu_float32_weights(model)
     shapes = sorted((m.in_features, m.out_features, m.bias is not None) for m in layers)
     return {"cpu": cpu_model(), "threads": threads or torch.get_num_threads(), "dtype": "float32",
             "torch": torch.__version__, "packed": bool(packed and packing_available()),
             "pack_budget": pack_budget(model) if packed else 0.0,
+            "measured": {"rows": list(ROW_COUNTS), "products": list(PRODUCTS), "mm_rows": MM_ROWS},
             "layers": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]}
 
 

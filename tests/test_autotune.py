@@ -1,7 +1,8 @@
 """The few-row plan is tuned outside timed runs and cached per machine (specdec.few_rows.autotune):
-measured once per key (CPU model, threads, dtype, torch version, packing, layer shapes), read from
-the cache afterwards, never measured by a forward or a generation; a deterministic heuristic serves
-where nothing was tuned; every result records which plan ran."""
+measured once per key (CPU model, threads, dtype, torch version, packing, the row counts and
+products measured, layer shapes), read from the cache afterwards, never measured by a forward or a
+generation; a deterministic heuristic serves where nothing was tuned; every result records which
+plan ran."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def test_a_plan_is_measured_once_per_machine_key_then_read_from_the_cache(cache,
     assert len(files) == 1
     record = json.loads(files[0].read_text())
     assert record["key"] == fr.plan_key(first) and record["plan"] == {"2": "mm"}
-    assert set(record["key"]) == {"cpu", "threads", "dtype", "torch", "packed", "pack_budget", "layers"}
+    assert set(record["key"]) == {"cpu", "threads", "dtype", "torch", "packed", "pack_budget", "measured", "layers"}
     assert set(record["conditions"]) == {"load", "cores", "threads", "repeats", "spread", "measured"}
     assert record["conditions"]["load"] == 0.0 and record["conditions"]["threads"] == 1
     assert record["key"]["cpu"] == fr.cpu_model() and record["key"]["torch"] == torch.__version__
@@ -88,6 +89,19 @@ def test_a_plan_is_measured_once_per_machine_key_then_read_from_the_cache(cache,
     assert measured == [1, 2, 2]
     fr.autotune(again, force=True)
     assert measured == [1, 2, 2, 2]
+
+
+def test_a_plan_tuned_over_other_row_counts_or_products_is_measured_again(cache, measured, monkeypatch):
+    """A tuner that measures more row counts (or considers ``W @ xᵀ`` up to more rows) does not read
+    the plan an older one cached: the counts it never measured would keep the heuristic."""
+    fr.autotune(_model())
+    assert measured == [torch.get_num_threads()] and fr.plan_record(_model())["source"] == "cached"
+    monkeypatch.setattr(fr, "ROW_COUNTS", (*fr.ROW_COUNTS, 64))
+    assert fr.cached_plan(_model()) is None
+    fr.autotune(_model())
+    assert len(measured) == 2 and len(list(cache.glob("*.json"))) == 2
+    monkeypatch.setattr(fr, "MM_ROWS", fr.MM_ROWS + 1)
+    assert fr.cached_plan(_model()) is None
 
 
 def test_a_corrupt_or_foreign_cache_file_is_measured_again(cache, measured):
