@@ -227,7 +227,7 @@ def test_eagle3_reports_its_greedy_draft_probabilities_only_when_asked(target):
 
     for flag in (False, True):
         d = Eagle3Drafter.tiny(target, confidence=flag)
-        rec = Recorded(d, d, HybridDrafter.tiny(target).config)  # both parts the same head: records its drafts
+        rec = Recorded(d, d, HybridDrafter.tiny(target, learned_k=2).config)  # both parts the same head: records its drafts
         rec.bind(target)
         run(target, rec, GreedyVerifier(), [Request(FRESH, 6)], k=2, eos_token_ids=set())
         conf = rec.steps[0][0][LEARNED].confidence

@@ -69,7 +69,7 @@ class HybridConfig:
     model_free_options: dict = field(default_factory=dict)
     learned_options: dict = field(default_factory=dict)  # eagle3: checkpoint defaults to BEST_CHECKPOINTS
     rule: str = "expected"  # expected | ngram_first
-    learned_k: int | None = 2  # the learned part drafts min(k, learned_k) tokens; None = k
+    learned_k: int | None = 1  # the learned part drafts min(k, learned_k) tokens; None = k
     prior: float = 2.0  # calibration: pseudo-tokens of evidence that the raw estimate is right
 
     def __post_init__(self) -> None:
