@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import specdec
+from specdec.data.config import data_device
 from specdec.data.corpus import corpus_repetition, corpus_stats, generate_corpus
 from specdec.host_memory import minor_faults, retain_freed_memory
 from specdec.timing import now
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parent
 def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m", num_prompts: int = 8192,
          shard_size: int = 64, batch: int = 32, max_new_tokens: int = 256, drafter: str | None = None, k: int = 4,
          threads: int = 1, seed: int = 0, greedy: bool = False, dtype: str = "float32", compare: int = 0,
-         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0, continuous: bool = False) -> dict:
+         retain_memory: bool = True, report: bool = False, stop_repeat: int = 0, continuous: bool = False,
+         device: str | None = None) -> dict:
     """Mode ``corpus``: answer ``num_prompts`` prompts in total with ``model`` (an alias or folder,
     computed in ``dtype``: bf16 is ~3x faster on CPUs with AMX or AVX512-BF16) into ``out``,
     ``shard_size`` prompts a file, ``batch`` requests decoded together (with ``drafter``, a lossless
@@ -44,7 +46,9 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
     ``retain_memory``: keep freed activations mapped (:mod:`specdec.host_memory`; in ``compare``,
     from the second run on, so the first is the generator as it ran before). ``report``: generate
     nothing; print what ``out`` holds (:func:`corpus_stats`) and the share of its answer tokens, by
-    answer position, that repeat an 8-gram of the same answer (:func:`corpus_repetition`)."""
+    answer position, that repeat an 8-gram of the same answer (:func:`corpus_repetition`).
+    ``device``: where the target decodes (:func:`~specdec.data.config.data_device`: None = the CPU,
+    ``"cuda"``, ``"auto"``), checked before the target loads."""
     if report:
         if not sorted(Path(out).glob("shard-*.safetensors")):
             raise SystemExit(f"{out}: no corpus shards to report on")
@@ -53,8 +57,9 @@ def grow(model: str = "smollm2-135m", out: str = "experiments/data/smollm2-135m"
         return stats
     if dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"dtype {dtype!r}: float32 or bfloat16")
+    where = data_device(device)
     torch.set_num_threads(threads)
-    target = specdec.load_target(model, dtype=getattr(torch, dtype), threads=threads)
+    target = specdec.load_target(model, dtype=getattr(torch, dtype), threads=threads, device_map=where)
     if compare:
         return _compare(model, target, compare, batch, shard_size, greedy, dtype, max_new_tokens, seed, threads,
                         retain_memory, stop_repeat, continuous)

@@ -169,3 +169,77 @@ def test_mode_corpus_report_reads_a_folder_and_loads_no_target(tmp_path, monkeyp
     assert stats["repetition_8gram"][0] == {"from": 0, "to": 96, "tokens": 18, "repeated": round(8 / 18, 4)}
     with pytest.raises(SystemExit, match="no corpus shards"):
         mode.grow(out=str(tmp_path / "empty"), report=True)
+
+
+def test_a_data_jobs_device_is_checked_before_any_work(monkeypatch):
+    """``device`` of the corpus generator and the store's fill: the CPU as None (the loaders'
+    default), a GPU by name or ``auto``; a device that is not one, or not here, is refused by name."""
+    from specdec.data.config import data_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert data_device(None) is None and data_device("cpu") is None and data_device("auto") is None
+    with pytest.raises(ValueError, match="no CUDA or ROCm GPU"):
+        data_device("cuda")
+    with pytest.raises(ValueError, match="'tpu9' is not a torch device"):
+        data_device("tpu9")
+    with pytest.raises(TypeError, match="device must be a string"):
+        data_device(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert data_device("cuda:0") == "cuda:0" and data_device("cuda") == "cuda"
+    with pytest.raises(ValueError, match="has 1 GPU"):
+        data_device("cuda:3")
+
+
+def _experiments_module(name: str):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    return importlib.import_module(name)
+
+
+def test_mode_corpus_puts_the_target_on_its_device_and_refuses_a_bad_one_before_loading(tmp_path, monkeypatch):
+    mode = _experiments_module("generate_corpus")
+    placed = []
+
+    def load(model, **kw):
+        placed.append(kw["device_map"])
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(mode.specdec, "load_target", load)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # grow sets the process's threads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA or ROCm GPU"):
+        mode.grow(out=str(tmp_path / "c"), device="cuda")
+    assert placed == []
+    with pytest.raises(RuntimeError, match="loaded"):
+        mode.grow(out=str(tmp_path / "c"), device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RuntimeError, match="loaded"):
+        mode.grow(out=str(tmp_path / "c"), device="cuda:1")
+    assert placed == [None, "cuda:1"] and not (tmp_path / "c").exists()
+
+
+def test_mode_store_puts_the_target_on_its_device_and_refuses_a_bad_one_before_loading(tmp_path, monkeypatch):
+    mode = _experiments_module("benchmarks.store_fill")
+    placed = []
+
+    def build(cfg):
+        placed.append(cfg.device_map)
+        raise RuntimeError("loaded")
+
+    monkeypatch.setattr(mode, "build_target", build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'gpu' is not a torch device"):
+        mode.fill(out=str(tmp_path / "s"), device="gpu")
+    assert placed == []
+    with pytest.raises(RuntimeError, match="loaded"):
+        mode.fill(out=str(tmp_path / "s"), device="auto")  # no GPU here: the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="loaded"):
+        mode.fill(out=str(tmp_path / "s"), device="cuda")
+    assert placed == [None, "cuda"] and not (tmp_path / "s").exists()

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from specdec.data.config import TargetConfig, build_target
+from specdec.data.config import TargetConfig, build_target, data_device
 from specdec.data.sources import SOURCE_NAMES, store_items
 from specdec.data.store import (DEFAULT_RECIPES, StoreNeeds, recipe_needs, store_bytes_per_token, throughput as measure,
                                 weights_hash, write_store)
@@ -26,20 +26,22 @@ def fill(out: str, target: str = "smollm2-135m", sources: list[str] = ("corpus",
          tokens: int | None = None, held_out_every: int = 20, recipes: list[str] = DEFAULT_RECIPES,
          layers: list[int] | None = None, kv_layers: list[int] | None = None, compute_dtype: str = "float32",
          shard_sequences: int = 64, batch_tokens: int = 2048, threads: int | None = None,
-         throughput: int = 0) -> None:
+         throughput: int = 0, device: str | None = None) -> None:
     """Mode ``store``: the store ``out`` for ``target`` (an alias or a folder) from ``sources``
     interleaved by tokens (``corpus``: the corpus folder, its prompts cut to the last ``max_prompt``
     tokens), every sequence cut into windows of ``max_len``, until about ``tokens``; the hidden states
     and K/V layers ``recipes`` read (or ``layers`` / ``kv_layers``), computed in ``compute_dtype``
-    (stored in bf16 either way)."""
+    (stored in bf16 either way), on ``device`` (:func:`~specdec.data.config.data_device`: None = the
+    CPU; ``"auto"`` under ``accelerate launch`` or ``torchrun``: each process its own GPU and shards)."""
     unknown = sorted(set(sources) - set(SOURCE_NAMES))
     if unknown:
         raise SystemExit(f"unknown sources {unknown}: {list(SOURCE_NAMES)}")
     if compute_dtype not in ("float32", "bfloat16"):
         raise SystemExit(f"compute_dtype must be float32 or bfloat16, got {compute_dtype!r}")
+    where = data_device(device)
     if threads:
         torch.set_num_threads(threads)
-    model = build_target(TargetConfig(model=target, dtype="float32", pack=False))
+    model = build_target(TargetConfig(model=target, dtype="float32", device_map=where, pack=False))
     checkpoint_hash = weights_hash(model)  # the weights as loaded, whatever dtype computes the rows
     needs = recipe_needs(model, list(recipes))
     needs = StoreNeeds(tuple(layers) if layers is not None else needs.layers,

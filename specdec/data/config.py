@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specdec.target import Target
 
-__all__ = ["TargetConfig", "DatasetConfig", "DATASETS", "build_target"]
+__all__ = ["TargetConfig", "DatasetConfig", "DATASETS", "build_target", "data_device"]
 
 DATASETS = ("random", "sharegpt", "mtbench", "humaneval", "specbench", "copy", "stdlib")
 
@@ -44,6 +44,37 @@ def build_target(cfg: TargetConfig) -> Target:
 
         return Target(tiny_model(**{"vocab_size": 64, **cfg.tiny}).to(getattr(torch, cfg.dtype)), pack=cfg.pack)
     return load_target(cfg.model, dtype=getattr(torch, cfg.dtype), device_map=cfg.device_map, pack=cfg.pack)
+
+
+def data_device(device: str | None) -> str | None:
+    """Where a data job (the corpus generator, the feature store's fill) puts its target, checked
+    before any work: None or ``"cpu"``: the CPU (None, the loaders' default); ``"auto"``: this
+    process's accelerator as accelerate sees it (under ``accelerate launch``/``torchrun`` each process
+    its own GPU), the CPU where there is none; else a torch device such as ``"cuda"`` or ``"cuda:1"``
+    (ROCm's GPUs too), which must exist here."""
+    import torch
+
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a string such as 'cpu', 'cuda', 'cuda:1' or 'auto', got {device!r}")
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return None
+        from accelerate import PartialState
+
+        device = str(PartialState().device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a torch device: 'cpu', 'cuda', 'cuda:1' or 'auto'") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA or ROCm GPU that torch can use")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return str(dev)
 
 
 @dataclass
