@@ -154,13 +154,17 @@ def test_corpus_repetition_counts_repeats_by_answer_position(tmp_path):
         corpus_repetition(tmp_path / "c", edges=(10, 0))
 
 
-def test_mode_corpus_report_reads_a_folder_and_loads_no_target(tmp_path, monkeypatch):
-    import sys
+def _experiments_module(name: str, monkeypatch):
+    """A module of ``experiments/`` (the runner's modes), importable for this test only."""
+    import importlib
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    import generate_corpus as mode
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "experiments"))
+    return importlib.import_module(name)
 
+
+def test_mode_corpus_report_reads_a_folder_and_loads_no_target(tmp_path, monkeypatch):
+    mode = _experiments_module("generate_corpus", monkeypatch)
     monkeypatch.setattr(mode.specdec, "load_target", lambda *a, **k: pytest.fail("report loads no target"))
     _write_corpus(tmp_path / "c", [[4, 5, 6] * 6], prompt=[1])
     stats = mode.grow(out=str(tmp_path / "c"), report=True)
@@ -191,17 +195,8 @@ def test_a_data_jobs_device_is_checked_before_any_work(monkeypatch):
         data_device("cuda:3")
 
 
-def _experiments_module(name: str):
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-    return importlib.import_module(name)
-
-
 def test_mode_corpus_puts_the_target_on_its_device_and_refuses_a_bad_one_before_loading(tmp_path, monkeypatch):
-    mode = _experiments_module("generate_corpus")
+    mode = _experiments_module("generate_corpus", monkeypatch)
     placed = []
 
     def load(model, **kw):
@@ -224,7 +219,7 @@ def test_mode_corpus_puts_the_target_on_its_device_and_refuses_a_bad_one_before_
 
 
 def test_mode_store_puts_the_target_on_its_device_and_refuses_a_bad_one_before_loading(tmp_path, monkeypatch):
-    mode = _experiments_module("benchmarks.store_fill")
+    mode = _experiments_module("benchmarks.store_fill", monkeypatch)
     placed = []
 
     def build(cfg):
